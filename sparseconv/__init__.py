@@ -1,0 +1,12 @@
+"""sparseconv: sparse 3D convolutional networks for point clouds, on CPU and GPU.
+
+Importing it starts no thread, reads no file and touches no GPU; Warp starts on the first
+kernel-map build.
+"""
+
+from . import nn, ops
+from .ops import sparse_conv3d
+from .tensor import SparseTensor
+
+__version__ = "0.1.0"
+__all__ = ["SparseTensor", "nn", "ops", "sparse_conv3d"]

@@ -1,0 +1,153 @@
+"""The coordinate cache shared by every tensor derived from one input batch.
+
+It holds coordinate sets (each with its stride), their hash tables and the kernel maps between
+them. A set is *canonical* for its stride when it is the floor-to-multiple of the input
+coordinates: the set that strided convs produce and that transposed convs go back onto, so an
+encoder's maps are found again by its decoder. Generated sets (``generative=True``) are kept
+beside the canonical ones and never replace them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .hashing import CoordHashTable, pack_coords, range_violation, unpack_keys
+from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
+
+
+@dataclass(frozen=True)
+class CoordSet:
+    """coords: (N, 4) int32 [batch, x, y, z], unique rows, multiples of ``stride`` per axis."""
+
+    coords: torch.Tensor
+    stride: Triple
+    canonical: bool
+
+
+class CoordinateCache:
+    """Coordinate sets, hash tables and kernel maps of one batch on one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._sets: list[CoordSet] = []
+        self._canonical: dict[Triple, int] = {}
+        self._tables: dict[int, CoordHashTable] = {}
+        self._maps: dict[KernelMapKey, tuple[KernelMap, int]] = {}
+        self._moved: weakref.WeakValueDictionary[str, CoordinateCache] = weakref.WeakValueDictionary()
+
+    def add(self, coords: torch.Tensor, stride: Triple, canonical: bool) -> int:
+        """Register a coordinate set and return its id (canonical only if the stride has none yet)."""
+        canonical = canonical and stride not in self._canonical
+        self._sets.append(CoordSet(coords, stride, canonical))
+        set_id = len(self._sets) - 1
+        if canonical:
+            self._canonical[stride] = set_id
+        return set_id
+
+    def coord_set(self, set_id: int) -> CoordSet:
+        return self._sets[set_id]
+
+    def canonical(self, stride: Triple) -> int | None:
+        """Id of the canonical coordinate set at ``stride``, if any tensor of the batch has one."""
+        return self._canonical.get(stride)
+
+    def table(self, set_id: int) -> CoordHashTable:
+        table = self._tables.get(set_id)
+        if table is None:
+            table = self._tables[set_id] = CoordHashTable.build(self._sets[set_id].coords)
+        return table
+
+    def kernel_map(self, key: KernelMapKey) -> tuple[KernelMap, int]:
+        """The kernel map for ``key`` and the id of its output coordinate set (built once, then reused)."""
+        hit = self._maps.get(key)
+        if hit is None:
+            hit = self._maps[key] = self._build(key)
+        return hit
+
+    def to(self, device: torch.device) -> CoordinateCache:
+        """This cache's coordinate sets on ``device`` (same ids; maps are rebuilt there on demand)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved = self._moved.get(str(device))
+        if moved is None:
+            moved = CoordinateCache(device)
+            moved._sets = [CoordSet(s.coords.to(device), s.stride, s.canonical) for s in self._sets]
+            moved._canonical = dict(self._canonical)
+            self._moved[str(device)] = moved
+        return moved
+
+    def __repr__(self) -> str:
+        sets = ", ".join(f"{i}: stride {s.stride} N={s.coords.shape[0]}" for i, s in enumerate(self._sets))
+        return f"CoordinateCache({self.device}, sets {{{sets}}}, {len(self._maps)} kernel maps)"
+
+    def _build(self, key: KernelMapKey) -> tuple[KernelMap, int]:
+        source = self._sets[key.source]
+        out_id = self._output_set(key, source)
+        out = self._sets[out_id]
+        # A transposed conv reads in[p - delta * dilation * s_out]: the adjoint of the regular
+        # conv that maps its output coordinates onto its input coordinates.
+        step = [d * s for d, s in zip(key.dilation, out.stride if key.transposed else source.stride)]
+        sign = -1 if key.transposed else 1
+        offsets = offset_deltas(key.kernel_size) * torch.tensor(step, dtype=torch.int32) * sign
+        neighbors = self.table(key.source).neighbors(out.coords, offsets.to(self.device))
+        identity = center_offset(key.kernel_size) if out_id == key.source else None
+        return KernelMap(neighbors, source.coords.shape[0], key.kernel_size, identity), out_id
+
+    def _output_set(self, key: KernelMapKey, source: CoordSet) -> int:
+        if key.transposed:
+            if any(s % k for s, k in zip(source.stride, key.stride)):
+                raise ValueError(
+                    f"stride: a transposed conv with stride {key.stride} cannot go below stride 1 "
+                    f"from an input at stride {source.stride}"
+                )
+            out_stride = tuple(s // k for s, k in zip(source.stride, key.stride))
+        else:
+            out_stride = tuple(s * k for s, k in zip(source.stride, key.stride))
+
+        if key.generative:
+            return self._generate(key, source, out_stride)
+        if key.transposed:
+            out_id = self.canonical(out_stride)
+            if out_id is None:
+                raise ValueError(
+                    f"transposed conv from stride {source.stride} to {out_stride}: no tensor of this "
+                    f"batch has coordinates at stride {out_stride} (known strides: "
+                    f"{sorted(self._canonical)}). A transposed conv goes back onto the coordinates of an "
+                    "earlier strided conv; use generative=True to create new coordinates instead."
+                )
+            return out_id
+        if key.stride == (1, 1, 1):
+            return key.source
+        if source.canonical and out_stride in self._canonical:
+            return self._canonical[out_stride]
+        step = torch.tensor((1, *out_stride), dtype=torch.int32, device=self.device)
+        coarse = torch.div(source.coords, step, rounding_mode="floor") * step
+        problem = range_violation(coarse)
+        if problem is not None:
+            raise ValueError(f"stride: the downsampled coordinates leave the supported range: {problem}")
+        return self.add(_unique_rows(coarse), out_stride, canonical=source.canonical)
+
+    def _generate(self, key: KernelMapKey, source: CoordSet, out_stride: Triple) -> int:
+        """Every output-grid position with at least one input in its receptive field."""
+        deltas = offset_deltas(key.kernel_size).to(self.device)
+        unit = out_stride if key.transposed else source.stride
+        step = torch.tensor([d * u for d, u in zip(key.dilation, unit)], dtype=torch.int32, device=self.device)
+        shift = deltas * step * (1 if key.transposed else -1)
+        xyz = (source.coords[:, None, 1:] + shift[None]).reshape(-1, 3)
+        batch = source.coords[:, None, :1].expand(-1, shift.shape[0], 1).reshape(-1, 1)
+        candidates = torch.cat([batch, xyz], dim=1)
+        on_grid = (xyz % torch.tensor(out_stride, dtype=torch.int32, device=self.device) == 0).all(dim=1)
+        candidates = candidates[on_grid]
+        problem = range_violation(candidates)
+        if problem is not None:
+            raise ValueError(f"generative conv: the generated output coordinates leave the supported range: {problem}")
+        return self.add(_unique_rows(candidates), out_stride, canonical=False)
+
+
+def _unique_rows(coords: torch.Tensor) -> torch.Tensor:
+    """coords: (N, 4) int32 -> unique rows sorted by (batch, x, y, z), via packed int64 keys."""
+    return unpack_keys(torch.unique(pack_coords(coords)))

@@ -1,0 +1,221 @@
+"""Open-addressing hash table over packed voxel keys, as warp-lang kernels for CPU and CUDA.
+
+A key packs ``[batch, x, y, z]`` into one non-negative int64 (see :func:`pack_coords`); the
+table is two flat arrays (keys, values) of power-of-two capacity with linear probing. The same
+kernels run on ``cpu`` and ``cuda:N``; on CUDA they are launched on torch's current stream so
+they are ordered with the surrounding torch work without extra synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# Bit budget of a packed key: 12 batch bits + 3 x 17 coordinate bits = 63 bits, so every valid
+# key is a non-negative int64 and -1 can mark an empty slot.
+BATCH_BITS = 12
+COORD_BITS = 17
+BATCH_MAX = (1 << BATCH_BITS) - 1
+COORD_MIN = -(1 << (COORD_BITS - 1))
+COORD_MAX = (1 << (COORD_BITS - 1)) - 1
+EMPTY_KEY = -1
+
+
+def range_violation(coords: torch.Tensor) -> str | None:
+    """coords: (N, 4) integer -> None if every row can be packed, else what is out of range."""
+    if coords.shape[0] == 0:
+        return None
+    lo = coords.amin(dim=0).tolist()
+    hi = coords.amax(dim=0).tolist()
+    if lo[0] < 0 or hi[0] > BATCH_MAX:
+        return f"batch indices span [{lo[0]}, {hi[0]}], supported [0, {BATCH_MAX}]"
+    if min(lo[1:]) < COORD_MIN or max(hi[1:]) > COORD_MAX:
+        return (
+            f"x, y, z span [{min(lo[1:])}, {max(hi[1:])}], supported [{COORD_MIN}, {COORD_MAX}] "
+            "(in voxel units of stride 1)"
+        )
+    return None
+
+
+def pack_coords(coords: torch.Tensor) -> torch.Tensor:
+    """coords: (N, 4) integer [batch, x, y, z], already range-checked -> (N,) int64 keys."""
+    c = coords.to(torch.int64)
+    bias = -COORD_MIN
+    return (
+        (c[:, 0] << (3 * COORD_BITS))
+        | ((c[:, 1] + bias) << (2 * COORD_BITS))
+        | ((c[:, 2] + bias) << COORD_BITS)
+        | (c[:, 3] + bias)
+    )
+
+
+def unpack_keys(keys: torch.Tensor) -> torch.Tensor:
+    """keys: (N,) int64 from :func:`pack_coords` -> (N, 4) int32 [batch, x, y, z]."""
+    field = (1 << COORD_BITS) - 1
+    return torch.stack(
+        [
+            keys >> (3 * COORD_BITS),
+            ((keys >> (2 * COORD_BITS)) & field) + COORD_MIN,
+            ((keys >> COORD_BITS) & field) + COORD_MIN,
+            (keys & field) + COORD_MIN,
+        ],
+        dim=1,
+    ).to(torch.int32)
+
+
+@functools.cache
+def _kernels():
+    """Import warp and define the kernels on first use: importing sparseconv must not start Warp."""
+    import warp as wp
+
+    wp.config.log_level = wp.LOG_WARNING
+    wp.init()
+
+    coord_bits = wp.constant(wp.int64(COORD_BITS))
+    coord_bias = wp.constant(wp.int64(-COORD_MIN))
+    coord_span = wp.constant(wp.int64(1 << COORD_BITS))
+    batch_span = wp.constant(wp.int64(BATCH_MAX + 1))
+
+    @wp.func
+    def pack(b: wp.int32, x: wp.int32, y: wp.int32, z: wp.int32) -> wp.int64:
+        # Out-of-range neighbours (a kernel offset stepping past the coordinate range) have no key.
+        bx = wp.int64(x) + coord_bias
+        by = wp.int64(y) + coord_bias
+        bz = wp.int64(z) + coord_bias
+        if b < 0 or wp.int64(b) >= batch_span:
+            return wp.int64(-1)
+        if bx < wp.int64(0) or bx >= coord_span or by < wp.int64(0) or by >= coord_span:
+            return wp.int64(-1)
+        if bz < wp.int64(0) or bz >= coord_span:
+            return wp.int64(-1)
+        return (
+            (wp.int64(b) << (wp.int64(3) * coord_bits))
+            | (bx << (wp.int64(2) * coord_bits))
+            | (by << coord_bits)
+            | bz
+        )
+
+    @wp.func
+    def home_slot(key: wp.int64, mask: wp.int64) -> wp.int64:
+        # Fibonacci hashing: neighbouring voxels differ in low key bits, which the multiply
+        # spreads over the high bits that the xor-shift then folds back down.
+        h = wp.uint64(key) * wp.uint64(0x9E3779B97F4A7C15)
+        h = h ^ (h >> wp.uint64(31))
+        return wp.int64(h) & mask
+
+    @wp.kernel
+    def insert(
+        keys: wp.array(dtype=wp.int64),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+    ):
+        i = wp.tid()
+        key = keys[i]
+        slot = home_slot(key, mask)
+        probes = wp.int64(0)
+        while probes <= mask:
+            previous = wp.atomic_cas(table_keys, slot, wp.int64(-1), key)
+            if previous == wp.int64(-1) or previous == key:
+                # Keys are unique (checked by the caller), so each slot's value has one writer.
+                table_values[slot] = wp.int32(i)
+                return
+            slot = (slot + wp.int64(1)) & mask
+            probes += wp.int64(1)
+
+    @wp.kernel
+    def query_neighbors(
+        coords: wp.array2d(dtype=wp.int32),
+        offsets: wp.array2d(dtype=wp.int32),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+        neighbors: wp.array2d(dtype=wp.int32),
+    ):
+        i, k = wp.tid()
+        key = pack(
+            coords[i, 0],
+            coords[i, 1] + offsets[k, 0],
+            coords[i, 2] + offsets[k, 1],
+            coords[i, 3] + offsets[k, 2],
+        )
+        found = wp.int32(-1)
+        if key >= wp.int64(0):
+            slot = home_slot(key, mask)
+            probes = wp.int64(0)
+            while probes <= mask:
+                stored = table_keys[slot]
+                if stored == key:
+                    found = table_values[slot]
+                    break
+                if stored == wp.int64(-1):
+                    break
+                slot = (slot + wp.int64(1)) & mask
+                probes += wp.int64(1)
+        neighbors[i, k] = found
+
+    return wp, insert, query_neighbors
+
+
+def _launch(kernel, dim, inputs, device: torch.device) -> None:
+    wp = _kernels()[0]
+    if device.type == "cuda":
+        wp.launch(
+            kernel,
+            dim=dim,
+            inputs=inputs,
+            device=wp.device_from_torch(device),
+            stream=wp.stream_from_torch(device),
+        )
+    else:
+        wp.launch(kernel, dim=dim, inputs=inputs, device="cpu")
+
+
+@dataclass(frozen=True)
+class CoordHashTable:
+    """Hash table of one coordinate set: keys (capacity,) int64, values (capacity,) int32 row indices."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def build(cls, coords: torch.Tensor) -> CoordHashTable:
+        """coords: (N, 4) int32 unique rows -> table mapping each row's key to its row index."""
+        n = coords.shape[0]
+        # Load factor <= 0.5 keeps linear-probe chains short (expected ~1.5 probes per hit).
+        capacity = max(16, 1 << (2 * max(n, 1) - 1).bit_length())
+        keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
+        values = torch.full((capacity,), -1, dtype=torch.int32, device=coords.device)
+        if n:
+            wp, insert, _ = _kernels()
+            packed = pack_coords(coords).contiguous()
+            _launch(
+                insert,
+                n,
+                [wp.from_torch(packed), wp.from_torch(keys), wp.from_torch(values), wp.int64(capacity - 1)],
+                coords.device,
+            )
+        return cls(keys, values)
+
+    def neighbors(self, coords: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """coords: (M, 4) int32, offsets: (K, 3) int32 -> (M, K) int32 row of coords[i] + offsets[k], -1 if absent."""
+        m, k = coords.shape[0], offsets.shape[0]
+        out = torch.empty((m, k), dtype=torch.int32, device=coords.device)
+        if m and k:
+            wp, _, query = _kernels()
+            _launch(
+                query,
+                (m, k),
+                [
+                    wp.from_torch(coords.contiguous()),
+                    wp.from_torch(offsets.to(device=coords.device, dtype=torch.int32).contiguous()),
+                    wp.from_torch(self.keys),
+                    wp.from_torch(self.values),
+                    wp.int64(self.keys.shape[0] - 1),
+                    wp.from_torch(out),
+                ],
+                coords.device,
+            )
+        return out

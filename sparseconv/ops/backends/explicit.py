@@ -1,0 +1,70 @@
+"""explicit_gemm: gather -> matmul -> scatter-add per kernel offset, in torch.
+
+The reference every other backend is checked against and the universal fallback: it runs on
+any device and dtype torch can multiply. Half-precision products keep their (fp32-accumulated)
+matmul and are summed across offsets in fp32, so the K-way sum does not round K times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ...coords.kernel_map import KernelMap
+from ..problem import NAMESPACES, ConvProblem
+from .registry import Backend, register
+
+
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
+    """a: (N_in, C_in) feats, b: (K, C_in, C_out) weight -> (N_out, C_out) in a's dtype."""
+    out = a.new_zeros((kernel_map.num_out, b.shape[2]), dtype=_accumulator_dtype(a.dtype))
+    for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
+        if k == kernel_map.identity_offset:
+            out += torch.mm(a, b[k])
+        elif in_idx.numel():
+            out.index_add_(0, out_idx, torch.mm(a[in_idx], b[k]).to(out.dtype))
+    return out.to(a.dtype)
+
+
+def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
+    """a: (N_out, C_out) output grad, b: (K, C_in, C_out) weight -> (N_in, C_in) input grad."""
+    out = a.new_zeros((kernel_map.num_in, b.shape[1]), dtype=_accumulator_dtype(a.dtype))
+    for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
+        if k == kernel_map.identity_offset:
+            out += torch.mm(a, b[k].t())
+        elif in_idx.numel():
+            out.index_add_(0, in_idx, torch.mm(a[out_idx], b[k].t()).to(out.dtype))
+    return out.to(a.dtype)
+
+
+def wgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
+    """a: (N_in, C_in) feats, b: (N_out, C_out) output grad -> (K, C_in, C_out) weight grad."""
+    out = a.new_zeros((kernel_map.kernel_volume, a.shape[1], b.shape[1]))
+    for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
+        if k == kernel_map.identity_offset:
+            out[k] = torch.mm(a.t(), b)
+        elif in_idx.numel():
+            out[k] = torch.mm(a[in_idx].t(), b[out_idx])
+    return out
+
+
+_PRODUCTS = dict(zip(NAMESPACES, (forward, dgrad, wgrad)))
+
+
+def run(
+    namespace: str,
+    problem: ConvProblem,
+    params: Mapping,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    kernel_map: KernelMap,
+) -> torch.Tensor:
+    return _PRODUCTS[namespace](a, b, kernel_map)
+
+
+EXPLICIT_GEMM = register(Backend(name="explicit_gemm", ops=frozenset(NAMESPACES), run=run))

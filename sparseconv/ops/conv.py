@@ -1,0 +1,137 @@
+"""sparse_conv3d: the autograd function whose forward, dgrad and wgrad each make one dispatch call."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .._args import triple
+from ..coords.kernel_map import KernelMap, KernelMapKey
+from ..tensor import SparseTensor
+from .dispatch import check_algo, dispatch
+from .problem import ConvProblem
+
+
+@dataclass(frozen=True)
+class AlgoPins:
+    """The user's algorithm pins for the three products (None: let the library choose)."""
+
+    fwd: str | None = None
+    dgrad: str | None = None
+    wgrad: str | None = None
+
+    @classmethod
+    def checked(cls, fwd: str | None, dgrad: str | None, wgrad: str | None) -> AlgoPins:
+        return cls(
+            check_algo(fwd, "AB_gather_scatter"),
+            check_algo(dgrad, "ABt_gather_scatter"),
+            check_algo(wgrad, "AtB_gather_gather"),
+        )
+
+
+class SparseConvFunction(torch.autograd.Function):
+    """feats (N_in, C_in), weight (K, C_in, C_out) -> (N_out, C_out), through ``kernel_map``."""
+
+    @staticmethod
+    def forward(ctx, feats, weight, kernel_map: KernelMap, problem: ConvProblem, pins: AlgoPins):
+        ctx.save_for_backward(feats, weight)
+        ctx.kernel_map, ctx.problem, ctx.pins = kernel_map, problem, pins
+        return dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        feats, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_feats = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_feats = dispatch(
+                "ABt_gather_scatter", ctx.problem, ctx.pins.dgrad, grad_out, weight, ctx.kernel_map
+            )
+        if ctx.needs_input_grad[1]:
+            grad_weight = dispatch(
+                "AtB_gather_gather", ctx.problem, ctx.pins.wgrad, feats, grad_out, ctx.kernel_map
+            )
+        return grad_feats, grad_weight, None, None, None
+
+
+def sparse_conv3d(
+    input: SparseTensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernel_size: int | Sequence[int] = 3,
+    stride: int | Sequence[int] = 1,
+    dilation: int | Sequence[int] = 1,
+    transposed: bool = False,
+    generative: bool = False,
+    fwd_algo: str | None = None,
+    dgrad_algo: str | None = None,
+    wgrad_algo: str | None = None,
+) -> SparseTensor:
+    """Sparse 3D convolution of ``input`` (N_in, C_in) with weight (K, C_in, C_out) -> SparseTensor (N_out, C_out).
+
+    Output coordinates: the input's (stride 1), the floor-to-multiple of the new stride
+    (strided), the finer coordinates of this batch (transposed), or every position the kernel
+    reaches (generative). Offsets and conventions: :mod:`sparseconv.coords.kernel_map`.
+    """
+    if not isinstance(input, SparseTensor):
+        raise TypeError(f"input must be a SparseTensor, got {type(input).__name__}")
+    kernel_size = triple(kernel_size, "kernel_size")
+    stride = triple(stride, "stride")
+    dilation = triple(dilation, "dilation")
+    pins = AlgoPins.checked(fwd_algo, dgrad_algo, wgrad_algo)
+    feats = input.feats
+    _check_weight(weight, bias, kernel_size, feats)
+
+    if torch.is_autocast_enabled(feats.device.type):
+        dtype = torch.get_autocast_dtype(feats.device.type)
+        feats, weight = feats.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    elif weight.dtype != feats.dtype or (bias is not None and bias.dtype != feats.dtype):
+        raise TypeError(
+            f"weight ({weight.dtype}) and bias ({None if bias is None else bias.dtype}) must have the "
+            f"input features' dtype {feats.dtype} (or run under torch.autocast)"
+        )
+
+    key = KernelMapKey(input.coord_id, kernel_size, stride, dilation, bool(transposed), bool(generative))
+    kernel_map, out_id = input.cache.kernel_map(key)
+    problem = ConvProblem(
+        num_in=kernel_map.num_in,
+        num_out=kernel_map.num_out,
+        in_channels=weight.shape[1],
+        out_channels=weight.shape[2],
+        kernel_size=kernel_size,
+        stride=stride,
+        dilation=dilation,
+        transposed=bool(transposed),
+        generative=bool(generative),
+        dtype=feats.dtype,
+        device=feats.device,
+    )
+    out = SparseConvFunction.apply(feats, weight, kernel_map, problem, pins)
+    if bias is not None:
+        out = out + bias
+    return SparseTensor._derived(out, input.cache, out_id)
+
+
+def _check_weight(
+    weight: torch.Tensor, bias: torch.Tensor | None, kernel_size: tuple[int, int, int], feats: torch.Tensor
+) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    volume = math.prod(kernel_size)
+    if weight.dim() != 3 or weight.shape[0] != volume or weight.shape[1] != feats.shape[1]:
+        raise ValueError(
+            f"weight must have shape (K={volume}, C_in={feats.shape[1]}, C_out) for kernel_size "
+            f"{kernel_size} and {feats.shape[1]} input channels, got {tuple(weight.shape)}"
+        )
+    if weight.device != feats.device:
+        raise ValueError(f"weight is on {weight.device} but the input is on {feats.device}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[2],)):
+        raise ValueError(f"bias must have shape ({weight.shape[2]},), got {tuple(getattr(bias, 'shape', ()))}")
+    if bias is not None and bias.device != feats.device:
+        raise ValueError(f"bias is on {bias.device} but the input is on {feats.device}")

@@ -1,0 +1,233 @@
+"""SparseTensor: integer voxel coordinates, features, a stride and the shared coordinate cache."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ._args import Triple, triple
+from .coords.cache import CoordinateCache
+from .coords.hashing import pack_coords, range_violation, unpack_keys
+
+DUPLICATE_MODES = ("error", "sum", "mean")
+
+
+class SparseTensor:
+    """Features on occupied voxels of a batch of 3D grids.
+
+    coords: (N, 4) integer ``[batch, x, y, z]``, stored as int32; x, y, z are in voxel units of
+    the input grid, so a tensor at stride ``s`` has coordinates that are multiples of ``s``.
+    feats: (N, C) float16/bfloat16/float32/float64 on the same device.
+    on_duplicate: ``"error"`` (default) rejects repeated coordinates; ``"sum"`` / ``"mean"`` merge
+    their features (the merged tensor's rows are then sorted by ``[batch, x, y, z]``).
+    validate: skip the checks (shape, dtype, range, duplicates; they cost a device sync) only
+    for coordinates known to be valid.
+    """
+
+    def __init__(
+        self,
+        coords: torch.Tensor | np.ndarray,
+        feats: torch.Tensor | np.ndarray,
+        stride: int | Sequence[int] = 1,
+        *,
+        on_duplicate: str = "error",
+        validate: bool = True,
+    ) -> None:
+        coords = _as_tensor(coords, "coords")
+        feats = _as_tensor(feats, "feats")
+        stride = triple(stride, "stride")
+        if validate:
+            coords, feats = _validated(coords, feats, stride, on_duplicate)
+        self.feats = feats
+        self.cache = CoordinateCache(coords.device)
+        self.coord_id = self.cache.add(coords.to(torch.int32).contiguous(), stride, canonical=True)
+
+    @classmethod
+    def _derived(cls, feats: torch.Tensor, cache: CoordinateCache, coord_id: int) -> SparseTensor:
+        """A tensor on an existing coordinate set of ``cache`` (no checks, no copies)."""
+        tensor = cls.__new__(cls)
+        tensor.feats = feats
+        tensor.cache = cache
+        tensor.coord_id = coord_id
+        return tensor
+
+    @property
+    def coords(self) -> torch.Tensor:
+        """(N, 4) int32 ``[batch, x, y, z]``."""
+        return self.cache.coord_set(self.coord_id).coords
+
+    @property
+    def stride(self) -> Triple:
+        return self.cache.coord_set(self.coord_id).stride
+
+    @property
+    def device(self) -> torch.device:
+        return self.feats.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.feats.dtype
+
+    @property
+    def num_channels(self) -> int:
+        return self.feats.shape[1]
+
+    def __len__(self) -> int:
+        return self.feats.shape[0]
+
+    @functools.cached_property
+    def batch_size(self) -> int:
+        """1 + the largest batch index (0 for an empty tensor)."""
+        coords = self.coords
+        return int(coords[:, 0].max().item()) + 1 if coords.shape[0] else 0
+
+    def replace(self, feats: torch.Tensor) -> SparseTensor:
+        """Same coordinates and cache, new features: feats (N, C') floating on the same device."""
+        if not isinstance(feats, torch.Tensor):
+            raise TypeError(f"feats must be a torch.Tensor, got {type(feats).__name__}")
+        if feats.dim() != 2 or feats.shape[0] != len(self):
+            raise ValueError(f"feats must have shape ({len(self)}, C), got {tuple(feats.shape)}")
+        if feats.device != self.device:
+            raise ValueError(f"feats must be on {self.device} like the coordinates, got {feats.device}")
+        return SparseTensor._derived(feats, self.cache, self.coord_id)
+
+    def to(self, *args, **kwargs) -> SparseTensor:
+        """Like ``torch.Tensor.to`` on the features; a new device moves the whole coordinate cache."""
+        feats = self.feats.to(*args, **kwargs)
+        if not feats.is_floating_point():
+            raise TypeError(f"SparseTensor.to: features must stay floating point, got {feats.dtype}")
+        return SparseTensor._derived(feats, self.cache.to(feats.device), self.coord_id)
+
+    def cpu(self) -> SparseTensor:
+        return self.to("cpu")
+
+    def cuda(self, device: int | str | torch.device | None = None) -> SparseTensor:
+        return self.to("cuda" if device is None else device)
+
+    def dense(
+        self, shape: Sequence[int] | None = None, origin: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """(B, C, X, Y, Z) dense grid of this tensor's resolution (one cell per ``stride`` voxels).
+
+        origin: the (x, y, z) voxel that maps to cell 0 (default 0; a multiple of the stride).
+        shape: the spatial size (X, Y, Z); default just covers every coordinate.
+        """
+        stride = torch.tensor(self.stride, device=self.device, dtype=torch.int64)
+        origin_t = torch.tensor(
+            (0, 0, 0) if origin is None else _int3(origin, "origin"), device=self.device, dtype=torch.int64
+        )
+        if bool((origin_t % stride != 0).any()):
+            raise ValueError(f"origin must be a multiple of the stride {self.stride}, got {tuple(origin_t.tolist())}")
+        coords = self.coords.to(torch.int64)
+        cells = torch.div(coords[:, 1:] - origin_t, stride, rounding_mode="floor")
+        if len(self) and bool((cells < 0).any()):
+            raise ValueError(
+                f"dense: coordinates lie below origin {tuple(origin_t.tolist())} (min "
+                f"{tuple(coords[:, 1:].amin(0).tolist())}); pass origin= (e.g. the minimum coordinate)"
+            )
+        if shape is None:
+            size = (cells.amax(0) + 1).tolist() if len(self) else [0, 0, 0]
+        else:
+            size = list(_int3(shape, "shape"))
+            if min(size) < 0:
+                raise ValueError(f"shape must be 3 non-negative ints (X, Y, Z), got {tuple(size)}")
+            if len(self) and bool((cells >= torch.tensor(size, device=self.device)).any()):
+                raise ValueError(
+                    f"shape {tuple(size)} is too small: cells reach {tuple((cells.amax(0) + 1).tolist())}"
+                )
+        out = self.feats.new_zeros((self.batch_size, *size, self.num_channels))
+        index = (coords[:, 0], cells[:, 0], cells[:, 1], cells[:, 2])
+        out = out.index_put(index, self.feats)
+        return out.permute(0, 4, 1, 2, 3).contiguous()
+
+    @classmethod
+    def from_dense(
+        cls, x: torch.Tensor, stride: int | Sequence[int] = 1, origin: Sequence[int] | None = None
+    ) -> SparseTensor:
+        """x: (B, C, X, Y, Z) floating -> the cells where any channel is non-zero, at ``stride``."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 5:
+            raise ValueError(f"x must be a (B, C, X, Y, Z) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        stride = triple(stride, "stride")
+        origin_t = torch.tensor((0, 0, 0) if origin is None else _int3(origin, "origin"), device=x.device)
+        cells = (x != 0).any(dim=1).nonzero()
+        xyz = cells[:, 1:] * torch.tensor(stride, device=x.device) + origin_t
+        coords = torch.cat([cells[:, :1], xyz], dim=1)
+        feats = x.permute(0, 2, 3, 4, 1)[cells[:, 0], cells[:, 1], cells[:, 2], cells[:, 3]]
+        return cls(coords, feats, stride)
+
+    def __repr__(self) -> str:
+        return (
+            f"SparseTensor(N={len(self)}, C={self.num_channels}, stride={self.stride}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+
+def _as_tensor(value: torch.Tensor | np.ndarray, name: str) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(value).__name__}")
+    return value
+
+
+def _int3(value: Sequence[int], name: str) -> tuple[int, int, int]:
+    value = tuple(int(v) for v in value)
+    if len(value) != 3:
+        raise ValueError(f"{name} must have 3 entries (x, y, z), got {value!r}")
+    return value
+
+
+def _validated(
+    coords: torch.Tensor, feats: torch.Tensor, stride: Triple, on_duplicate: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if coords.dim() != 2 or coords.shape[1] != 4:
+        raise ValueError(f"coords must have shape (N, 4) as [batch, x, y, z], got {tuple(coords.shape)}")
+    if coords.is_floating_point() or coords.is_complex() or coords.dtype == torch.bool:
+        raise TypeError(
+            f"coords must be an integer tensor, got {coords.dtype}; quantise points first, e.g. "
+            "torch.floor(xyz / voxel_size).int()"
+        )
+    if feats.dim() != 2:
+        raise ValueError(f"feats must have shape (N, C), got {tuple(feats.shape)}")
+    if not feats.is_floating_point():
+        raise TypeError(f"feats must be floating point (float16, bfloat16, float32, float64), got {feats.dtype}")
+    if feats.shape[0] != coords.shape[0]:
+        raise ValueError(
+            f"coords and feats must have the same number of rows, got coords N={coords.shape[0]} "
+            f"and feats N={feats.shape[0]}"
+        )
+    if coords.device != feats.device:
+        raise ValueError(f"coords and feats must be on one device, got coords on {coords.device}, feats on {feats.device}")
+    if on_duplicate not in DUPLICATE_MODES:
+        raise ValueError(f"on_duplicate must be one of {DUPLICATE_MODES}, got {on_duplicate!r}")
+    if coords.shape[0] == 0:
+        return coords.to(torch.int32), feats
+    if int(coords[:, 0].min()) < 0:
+        raise ValueError(f"coords: batch indices (column 0) must be >= 0, got {int(coords[:, 0].min())}")
+    problem = range_violation(coords)
+    if problem is not None:
+        raise ValueError(f"coords out of the supported range: {problem}")
+    off_grid = (coords[:, 1:] % torch.tensor(stride, device=coords.device) != 0).any(dim=1)
+    if bool(off_grid.any()):
+        row = int(off_grid.nonzero()[0, 0])
+        raise ValueError(
+            f"coords of a tensor at stride {stride} must be multiples of it along x, y, z; "
+            f"row {row} is {coords[row].tolist()}"
+        )
+    keys = pack_coords(coords)
+    unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    if unique.shape[0] == keys.shape[0]:
+        return coords.to(torch.int32), feats
+    if on_duplicate == "error":
+        repeated = unpack_keys(unique[counts > 1][:1])[0].tolist()
+        raise ValueError(
+            f"coords has {keys.shape[0] - unique.shape[0]} duplicate rows (e.g. {repeated}); merge them "
+            "with on_duplicate='sum' or 'mean'"
+        )
+    merged = feats.new_zeros((unique.shape[0], feats.shape[1])).index_add(0, inverse, feats)
+    if on_duplicate == "mean":
+        merged = merged / counts.to(merged.dtype)[:, None]
+    return unpack_keys(unique), merged
