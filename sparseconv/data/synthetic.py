@@ -17,8 +17,8 @@ _RANGE_NOISE_STD = 0.02
 _RANGE_NOISE_CLIP = 3 * _RANGE_NOISE_STD
 # Fixed world extent so that a seed describes the same street whatever max_range is asked for.
 _STREET_HALF_LENGTH = 150.0
-_STREET_SURFACES = ("ground", "facade", "box", "cylinder")
-_REFLECTIVITY = np.array([0.2, 0.45, 0.75, 0.55])  # asphalt, plaster, car paint, painted metal / bark
+# Indexed by _cast's surface id: ground (asphalt), facade (plaster), box (car paint), cylinder (metal / bark).
+_REFLECTIVITY = np.array([0.2, 0.45, 0.75, 0.55])
 _KINDS = ("street", "room")
 _DEFAULT_VOXEL_SIZE = {"street": 0.1, "room": 0.05}
 _BASE_STREET = {"num_beams": 64, "points_per_beam": 1024}
@@ -188,7 +188,7 @@ def lidar_street(
 
 
 def _room_rectangles(size: tuple[float, float, float], rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-    """Visible rectangles of the room: (Q, 3) corners, (Q, 3) edge u, (Q, 3) edge v, (Q,) grey level."""
+    """Room surface rectangles: (Q, 3) corners, (Q, 3) edge u, (Q, 3) edge v, (Q,) grey level."""
     lx, ly, lz = size
     e = np.eye(3)
     corners = [np.zeros(3), [0, 0, lz], np.zeros(3), [lx, 0, 0], np.zeros(3), [0, ly, 0]]

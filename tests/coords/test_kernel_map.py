@@ -1,0 +1,124 @@
+"""Kernel maps equal a brute-force reference on random sparse sets (property-based)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sparse_reference import brute_force_map, offsets
+
+from sparseconv import SparseTensor
+from sparseconv.coords import KernelMapKey, center_offset, offset_deltas
+from sparseconv.coords.hashing import COORD_MAX, COORD_MIN, CoordHashTable
+
+
+@st.composite
+def geometries(draw):
+    kernel = draw(st.integers(1, 5))
+    anisotropic = draw(st.booleans())
+    kernel_size = tuple(draw(st.integers(1, 5)) for _ in range(3)) if anisotropic else (kernel,) * 3
+    return {
+        "kernel_size": kernel_size,
+        "stride": (draw(st.integers(1, 3)),) * 3,
+        "dilation": (draw(st.integers(1, 3)),) * 3,
+        "input_stride": draw(st.sampled_from([1, 2])),
+        "transposed": draw(st.booleans()),
+        "generative": draw(st.booleans()),
+    }
+
+
+@st.composite
+def coordinate_sets(draw):
+    n = draw(st.integers(0, 60))
+    batch = draw(st.integers(1, 3))
+    extent = draw(st.integers(1, 8))
+    low = draw(st.integers(-20, 20))
+    rows = draw(st.lists(st.tuples(st.integers(0, batch - 1), *[st.integers(low, low + extent)] * 3), min_size=n, max_size=n))
+    return sorted(set(rows))
+
+
+def _expected_output(source_rows, geometry, in_stride, out_stride, fine_rows):
+    """Output coordinates by the definitions in the kernel_map docstring."""
+    kernel_size, dilation = geometry["kernel_size"], geometry["dilation"]
+    if geometry["generative"]:
+        unit = out_stride if geometry["transposed"] else in_stride
+        sign = 1 if geometry["transposed"] else -1
+        out = set()
+        for b, *xyz in source_rows:
+            for delta in offsets(kernel_size):
+                p = [c + sign * d * dl * u for c, d, dl, u in zip(xyz, delta, dilation, unit)]
+                if all(v % s == 0 for v, s in zip(p, out_stride)):
+                    out.add((b, *p))
+        return sorted(out)
+    if geometry["transposed"]:
+        return sorted(fine_rows)
+    return sorted({(b, *[(c // s) * s for c, s in zip(xyz, out_stride)]) for b, *xyz in source_rows})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=coordinate_sets(), geometry=geometries())
+def test_kernel_map_equals_brute_force(rows, geometry, device):
+    s = geometry["input_stride"]
+    stride = geometry["stride"]
+    coords = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4) * torch.tensor([1, s, s, s], dtype=torch.int32)
+    base = SparseTensor(coords.to(device), torch.zeros(len(coords), 1, device=device), s)
+    source, fine_rows = base, None
+    if geometry["transposed"]:
+        # The coarse side of a real downsampling, so the finer coordinates exist in the cache.
+        key = KernelMapKey(base.coord_id, geometry["kernel_size"], stride, geometry["dilation"], False, False)
+        _, coarse_id = base.cache.kernel_map(key)
+        source = SparseTensor._derived(None, base.cache, coarse_id)
+        fine_rows = [tuple(r) for r in base.coords.tolist()]
+    in_stride = source.stride
+    if geometry["transposed"]:
+        out_stride = tuple(a // b for a, b in zip(in_stride, stride))
+    else:
+        out_stride = tuple(a * b for a, b in zip(in_stride, stride))
+
+    key = KernelMapKey(source.coord_id, geometry["kernel_size"], stride, geometry["dilation"],
+                       geometry["transposed"], geometry["generative"])
+    kernel_map, out_id = source.cache.kernel_map(key)
+    out_set = source.cache.coord_set(out_id)
+    assert out_set.stride == out_stride
+    source_rows = [tuple(r) for r in source.coords.tolist()]
+    out_rows = [tuple(r) for r in out_set.coords.tolist()]
+    assert sorted(out_rows) == _expected_output(source_rows, geometry, in_stride, out_stride, fine_rows)
+    assert len(set(out_rows)) == len(out_rows)
+
+    step = [d * u for d, u in zip(geometry["dilation"], out_stride if geometry["transposed"] else in_stride)]
+    expected = brute_force_map(source.coords.cpu(), out_set.coords.cpu(), geometry["kernel_size"], step,
+                               -1 if geometry["transposed"] else 1)
+    assert kernel_map.neighbors.cpu().tolist() == expected
+
+    in_idx, out_idx, offset_ptr = kernel_map.pairs
+    pairs = {(k, int(i), int(o)) for k in range(kernel_map.kernel_volume)
+             for i, o in zip(in_idx[offset_ptr[k]:offset_ptr[k + 1]].tolist(), out_idx[offset_ptr[k]:offset_ptr[k + 1]].tolist())}
+    assert pairs == {(k, i, o) for o, row in enumerate(expected) for k, i in enumerate(row) if i >= 0}
+    assert kernel_map.pair_counts == [sum(row[k] >= 0 for row in expected) for k in range(kernel_map.kernel_volume)]
+    if kernel_map.identity_offset is not None:
+        assert kernel_map.neighbors[:, kernel_map.identity_offset].tolist() == list(range(kernel_map.num_out))
+    assert source.cache.kernel_map(key)[0] is kernel_map  # cached and reused
+
+
+def test_offsets_are_in_the_documented_order():
+    assert offset_deltas((3, 3, 3))[:4].tolist() == [[-1, -1, -1], [-1, -1, 0], [-1, -1, 1], [-1, 0, -1]]
+    assert offset_deltas((2, 1, 3)).tolist() == [list(o) for o in offsets((2, 1, 3))]
+    assert center_offset((3, 3, 3)) == 13 and center_offset((5, 1, 3)) == 7 and center_offset((2, 3, 3)) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hash_table_finds_every_key_and_nothing_else_at_the_range_limits(device):
+    corners = torch.tensor([[0, COORD_MIN, COORD_MIN, COORD_MIN], [4095, COORD_MAX, COORD_MAX, COORD_MAX],
+                            [3, COORD_MAX, 0, COORD_MIN]], dtype=torch.int32)
+    rows = torch.cat([corners, torch.randint(-1000, 1000, (5000, 4), dtype=torch.int32).abs()]).unique(dim=0).to(device)
+    table = CoordHashTable.build(rows)
+    probe = torch.tensor([[0, 0, 0], [1, 0, 0], [0, 0, -1]], dtype=torch.int32, device=device)
+    found = table.neighbors(rows, probe)
+    assert torch.equal(found[:, 0].cpu(), torch.arange(len(rows), dtype=torch.int32))
+    index = {tuple(r): i for i, r in enumerate(rows.tolist())}
+    for r, (_, plus_x, minus_z) in zip(rows.tolist(), found.tolist()):
+        assert plus_x == index.get((r[0], r[1] + 1, r[2], r[3]), -1)
+        assert minus_z == index.get((r[0], r[1], r[2], r[3] - 1), -1)
