@@ -107,6 +107,22 @@ class SparseConv3d(nn.Module):
 class SparseConvTranspose3d(SparseConv3d):
     """SparseConv3d with ``transposed=True``: back onto the finer coordinates of the batch."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | Sequence[int] = 3, stride: int | Sequence[int] = 1, **kwargs) -> None:
-        kwargs.pop("transposed", None)
-        super().__init__(in_channels, out_channels, kernel_size, stride, transposed=True, **kwargs)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int] = 3,
+        stride: int | Sequence[int] = 1,
+        dilation: int | Sequence[int] = 1,
+        bias: bool = True,
+        generative: bool = False,
+        fwd_algo: str | None = None,
+        dgrad_algo: str | None = None,
+        wgrad_algo: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride, dilation, bias, True, generative,
+            fwd_algo, dgrad_algo, wgrad_algo, device, dtype,
+        )

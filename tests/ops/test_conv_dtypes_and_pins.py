@@ -1,0 +1,114 @@
+"""Half precisions, autocast, argument errors and algorithm pins of sparse_conv3d."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICES
+from conv_cases import MODES, make_conv, make_input, reference
+
+from sparseconv import SparseTensor
+from sparseconv.ops import sparse_conv3d
+from sparseconv.ops.backends import Backend, explicit, register, unregister
+
+# Relative error bounds per dtype: loose enough for rounding of the operands, tight enough that a
+# dropped offset or a K-fold rounding of the sum fails.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2")], ids=str)
+def test_low_precision_matches_float64_reference(mode, dtype, device):
+    x64 = make_input(mode, 16, device, n=300)
+    conv = make_conv(mode, 16, 24, device)
+    feats64 = x64.feats.clone().requires_grad_()
+    out64 = conv(x64.replace(feats64))
+    ref = reference(conv, x64, out64, x64.feats).detach()
+    probe = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((out64.feats * probe).sum(), [feats64, conv.weight])
+
+    low = copy.deepcopy(conv).to(dtype)
+    feats = x64.feats.to(dtype).requires_grad_()
+    out = low(x64.replace(feats))
+    out.feats.backward(probe.to(dtype))
+    assert out.dtype == feats.grad.dtype == low.weight.grad.dtype == dtype
+    assert _relative_error(out.feats, ref) < TOLERANCE[dtype]
+    assert _relative_error(feats.grad, ref_grads[0]) < TOLERANCE[dtype]
+    assert _relative_error(low.weight.grad, ref_grads[1]) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_runs_the_conv_in_the_autocast_dtype(device):
+    mode = MODES[1]
+    x = make_input(mode, 8, device, dtype=torch.float32, n=200)
+    conv = make_conv(mode, 8, 8, device, dtype=torch.float32)
+    low = torch.bfloat16 if device == "cpu" else torch.float16
+    with torch.autocast(device_type=device, dtype=low):
+        out = conv(x)
+    assert out.dtype == low
+    with torch.no_grad():
+        ref = conv(x).feats
+    assert _relative_error(out.feats, ref) < TOLERANCE[low]
+    out.feats.float().sum().backward()
+    assert conv.weight.grad.dtype == torch.float32
+
+
+def test_mismatched_weight_is_rejected_with_its_shape():
+    x = make_input(MODES[1], 4, "cpu")
+    with pytest.raises(ValueError, match=r"weight must have shape \(K=27, C_in=4, C_out\).*got \(27, 5, 2\)"):
+        sparse_conv3d(x, torch.zeros(27, 5, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"K=8"):
+        sparse_conv3d(x, torch.zeros(27, 4, 2, dtype=torch.float64), kernel_size=2)
+    with pytest.raises(TypeError, match="must have the input features' dtype"):
+        sparse_conv3d(x, torch.zeros(27, 4, 2, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"bias must have shape \(2,\)"):
+        sparse_conv3d(x, torch.zeros(27, 4, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="input must be a SparseTensor"):
+        sparse_conv3d(x.feats, torch.zeros(27, 4, 2))
+    with pytest.raises(ValueError, match="dilation must be >= 1"):
+        sparse_conv3d(x, torch.zeros(27, 4, 2, dtype=torch.float64), dilation=0)
+
+
+def test_transposed_conv_without_finer_coordinates_says_what_is_missing():
+    x = make_input(MODES[1], 2, "cpu")
+    coarse = SparseTensor(x.coords * torch.tensor([1, 2, 2, 2], dtype=torch.int32), x.feats, stride=2)
+    with pytest.raises(ValueError, match=r"no tensor of this batch has coordinates at stride \(1, 1, 1\).*generative=True"):
+        sparse_conv3d(coarse, torch.zeros(8, 2, 2, dtype=torch.float64), kernel_size=2, stride=2, transposed=True)
+    with pytest.raises(ValueError, match="cannot go below stride 1"):
+        sparse_conv3d(x, torch.zeros(8, 2, 2, dtype=torch.float64), kernel_size=2, stride=2, transposed=True, generative=True)
+
+
+@pytest.mark.parametrize("pin", ["fwd_algo", "dgrad_algo", "wgrad_algo"])
+def test_unknown_algorithm_lists_valid_names_and_closest_match(pin):
+    x = make_input(MODES[1], 2, "cpu")
+    with pytest.raises(ValueError, match=rf"{pin}: unknown algorithm 'explicit_gem'.*valid: \['explicit_gemm'\]; did you mean 'explicit_gemm'"):
+        sparse_conv3d(x, torch.zeros(27, 2, 2, dtype=torch.float64), **{pin: "explicit_gem"})
+
+
+def test_pins_route_each_product_to_the_named_backend():
+    calls = []
+
+    def run(namespace, problem, params, a, b, kernel_map):
+        calls.append(namespace)
+        return explicit.run(namespace, problem, params, a, b, kernel_map)
+
+    register(Backend("recording_fake", frozenset({"ABt_gather_scatter", "AtB_gather_gather"}), run))
+    try:
+        x = make_input(MODES[1], 2, "cpu")
+        feats = x.feats.clone().requires_grad_()
+        weight = torch.randn(27, 2, 3, dtype=torch.float64, requires_grad=True)
+        with pytest.raises(ValueError, match="fwd_algo: unknown algorithm 'recording_fake'"):
+            sparse_conv3d(x, weight, fwd_algo="recording_fake")
+        out = sparse_conv3d(x.replace(feats), weight, dgrad_algo="recording_fake", wgrad_algo="recording_fake")
+        assert calls == []
+        out.feats.sum().backward()
+        assert sorted(calls) == ["ABt_gather_scatter", "AtB_gather_gather"]
+    finally:
+        unregister("recording_fake")
