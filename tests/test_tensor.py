@@ -123,12 +123,14 @@ def test_to_changes_dtype_and_keeps_the_cache():
 
 @pytest.mark.gpu
 def test_to_device_moves_the_whole_coordinate_cache():
-    x = _tensor()
-    coarse = SparseConv3d(3, 3, 2, 2)(x)
-    moved = coarse.to("cuda")
-    assert moved.device.type == "cuda" and moved.cache is x.to("cuda").cache
-    up = SparseConv3d(3, 3, 2, 2, transposed=True).cuda()(moved)
-    assert torch.equal(up.coords.cpu(), x.coords)
+    x = _tensor(device="cuda")
+    coarse = SparseConv3d(3, 3, 2, 2).cuda()(x)
+    # Through the CPU and back: the finer coordinates travel with the cache, no map is built on the CPU.
+    on_cpu = coarse.cpu()
+    assert on_cpu.cache is x.cpu().cache and torch.equal(on_cpu.coords, coarse.coords.cpu())
+    back = on_cpu.cuda()
+    up = SparseConv3d(3, 3, 2, 2, transposed=True).cuda()(back)
+    assert up.device.type == "cuda" and torch.equal(up.coords, x.coords)
 
 
 def test_empty_tensor_gives_empty_outputs_in_every_mode():

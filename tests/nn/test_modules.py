@@ -65,7 +65,7 @@ def test_encoder_decoder_round_trip_trains(device):
         loss = torch.nn.functional.mse_loss(y.feats, target)
         loss.backward()
         optimiser.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert torch.equal(y.coords, x.coords) and y.stride == (1, 1, 1)
     assert losses[-1] < 0.95 * losses[0]
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())
