@@ -16,6 +16,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def isolated_tuner(tmp_path, monkeypatch):
+    """Each test tunes into its own cache file and starts with no in-process choices."""
+    import sparseconv.tune
+
+    for variable in ("SPARSECONV_FWD_ALGO_MODE", "SPARSECONV_DGRAD_ALGO_MODE", "SPARSECONV_WGRAD_ALGO_MODE",
+                     "SPARSECONV_AUTOTUNE_EFFORT", "SPARSECONV_AUTOTUNE_LOG"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("SPARSECONV_CACHE_DIR", str(tmp_path / "sparseconv-cache"))
+    sparseconv.tune.reset()
+    yield
+    sparseconv.tune.reset()
+
+
+@pytest.fixture(autouse=True)
 def fresh_seed(request):
     """Fresh random inputs on every run; the seed is printed with a failure to reproduce it."""
     seed = secrets.randbits(31)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 Triple = tuple[int, int, int]
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class KernelMap:
         self.kernel_size = kernel_size
         self.kernel_volume = math.prod(kernel_size)
         self.identity_offset = identity_offset
+        self._derived: dict[Hashable, object] = {}
 
     @functools.cached_property
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,6 +103,12 @@ class KernelMap:
         """``[(in_idx_k, out_idx_k)]`` for every offset k (views into :attr:`pairs`)."""
         in_idx, out_idx, _ = self.pairs
         return list(zip(in_idx.split(self.pair_counts), out_idx.split(self.pair_counts)))
+
+    def derived(self, key: Hashable, build: Callable[[KernelMap], V]) -> V:
+        """A backend's own view of this map (e.g. padded groups), built on first use and kept with the map."""
+        if key not in self._derived:
+            self._derived[key] = build(self)
+        return self._derived[key]  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,7 @@ from torch import nn
 
 from .._args import triple
 from ..ops.conv import AlgoPins, sparse_conv3d
+from ..ops.dispatch import Pin
 from ..tensor import SparseTensor
 
 
@@ -32,9 +33,9 @@ class SparseConv3d(nn.Module):
         bias: bool = True,
         transposed: bool = False,
         generative: bool = False,
-        fwd_algo: str | None = None,
-        dgrad_algo: str | None = None,
-        wgrad_algo: str | None = None,
+        fwd_algo: Pin = None,
+        dgrad_algo: Pin = None,
+        wgrad_algo: Pin = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -50,6 +51,8 @@ class SparseConv3d(nn.Module):
         self.transposed = bool(transposed)
         self.generative = bool(generative)
         self.pins = AlgoPins.checked(fwd_algo, dgrad_algo, wgrad_algo)
+        self.algorithms: dict[str, str] = {}
+        """Algorithm chosen per product ("AB_gather_scatter", ...) by the last forward / backward."""
         factory = {"device": device, "dtype": dtype}
         volume = math.prod(self.kernel_size)
         self.weight = nn.Parameter(torch.empty((volume, in_channels, out_channels), **factory))
@@ -81,6 +84,7 @@ class SparseConv3d(nn.Module):
             self.pins.fwd,
             self.pins.dgrad,
             self.pins.wgrad,
+            self.algorithms,
         )
 
     def dense_weight(self) -> torch.Tensor:
@@ -116,9 +120,9 @@ class SparseConvTranspose3d(SparseConv3d):
         dilation: int | Sequence[int] = 1,
         bias: bool = True,
         generative: bool = False,
-        fwd_algo: str | None = None,
-        dgrad_algo: str | None = None,
-        wgrad_algo: str | None = None,
+        fwd_algo: Pin = None,
+        dgrad_algo: Pin = None,
+        wgrad_algo: Pin = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:

@@ -12,7 +12,7 @@ from torch.autograd.function import once_differentiable
 from .._args import triple
 from ..coords.kernel_map import KernelMap, KernelMapKey
 from ..tensor import SparseTensor
-from .dispatch import check_algo, dispatch
+from .dispatch import Pin, check_algo, dispatch
 from .problem import ConvProblem
 
 
@@ -20,12 +20,12 @@ from .problem import ConvProblem
 class AlgoPins:
     """The user's algorithm pins for the three products (None: let the library choose)."""
 
-    fwd: str | None = None
-    dgrad: str | None = None
-    wgrad: str | None = None
+    fwd: str | tuple[str, ...] | None = None
+    dgrad: str | tuple[str, ...] | None = None
+    wgrad: str | tuple[str, ...] | None = None
 
     @classmethod
-    def checked(cls, fwd: str | None, dgrad: str | None, wgrad: str | None) -> AlgoPins:
+    def checked(cls, fwd: Pin, dgrad: Pin, wgrad: Pin) -> AlgoPins:
         return cls(
             check_algo(fwd, "AB_gather_scatter"),
             check_algo(dgrad, "ABt_gather_scatter"),
@@ -37,10 +37,10 @@ class SparseConvFunction(torch.autograd.Function):
     """feats (N_in, C_in), weight (K, C_in, C_out) -> (N_out, C_out), through ``kernel_map``."""
 
     @staticmethod
-    def forward(ctx, feats, weight, kernel_map: KernelMap, problem: ConvProblem, pins: AlgoPins):
+    def forward(ctx, feats, weight, kernel_map: KernelMap, problem: ConvProblem, pins: AlgoPins, record):
         ctx.save_for_backward(feats, weight)
-        ctx.kernel_map, ctx.problem, ctx.pins = kernel_map, problem, pins
-        return dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map)
+        ctx.kernel_map, ctx.problem, ctx.pins, ctx.record = kernel_map, problem, pins, record
+        return dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map, record)
 
     @staticmethod
     @once_differentiable
@@ -50,13 +50,13 @@ class SparseConvFunction(torch.autograd.Function):
         grad_feats = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_feats = dispatch(
-                "ABt_gather_scatter", ctx.problem, ctx.pins.dgrad, grad_out, weight, ctx.kernel_map
+                "ABt_gather_scatter", ctx.problem, ctx.pins.dgrad, grad_out, weight, ctx.kernel_map, ctx.record
             )
         if ctx.needs_input_grad[1]:
             grad_weight = dispatch(
-                "AtB_gather_gather", ctx.problem, ctx.pins.wgrad, feats, grad_out, ctx.kernel_map
+                "AtB_gather_gather", ctx.problem, ctx.pins.wgrad, feats, grad_out, ctx.kernel_map, ctx.record
             )
-        return grad_feats, grad_weight, None, None, None
+        return grad_feats, grad_weight, None, None, None, None
 
 
 def sparse_conv3d(
@@ -68,15 +68,19 @@ def sparse_conv3d(
     dilation: int | Sequence[int] = 1,
     transposed: bool = False,
     generative: bool = False,
-    fwd_algo: str | None = None,
-    dgrad_algo: str | None = None,
-    wgrad_algo: str | None = None,
+    fwd_algo: Pin = None,
+    dgrad_algo: Pin = None,
+    wgrad_algo: Pin = None,
+    record: dict[str, str] | None = None,
 ) -> SparseTensor:
     """Sparse 3D convolution of ``input`` (N_in, C_in) with weight (K, C_in, C_out) -> SparseTensor (N_out, C_out).
 
     Output coordinates: the input's (stride 1), the floor-to-multiple of the new stride
     (strided), the finer coordinates of this batch (transposed), or every position the kernel
     reaches (generative). Offsets and conventions: :mod:`sparseconv.coords.kernel_map`.
+    Pins: a backend name (used as is), a list of names (the tuner times only these), or a mode
+    (auto / trimmed / all); None follows SPARSECONV_*_ALGO_MODE. ``record``, if given, receives
+    the algorithm chosen for each product as it runs (forward now, dgrad and wgrad in backward).
     """
     if not isinstance(input, SparseTensor):
         raise TypeError(f"input must be a SparseTensor, got {type(input).__name__}")
@@ -112,7 +116,7 @@ def sparse_conv3d(
         dtype=feats.dtype,
         device=feats.device,
     )
-    out = SparseConvFunction.apply(feats, weight, kernel_map, problem, pins)
+    out = SparseConvFunction.apply(feats, weight, kernel_map, problem, pins, record)
     if bias is not None:
         out = out + bias
     return SparseTensor._derived(out, input.cache, out_id)

@@ -1,44 +1,43 @@
-"""One call per product: resolve the algorithm for a namespace and run it.
+"""One call per product: the tuner resolves the algorithm for the namespace and runs it.
 
-This is the seam the tuner plugs into: with no pin, ``resolve`` returns the default backend
-today and the tuner's choice once it exists; with a pin, the named backend runs as is.
+Pins (``fwd_algo=`` ...) are checked at layer construction by :func:`check_algo`, so a typo
+fails before the first batch, and passed down unchanged; the tuner honours them in backward too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..coords.kernel_map import KernelMap
-from .backends import lookup
 from .problem import NAMESPACES, ConvProblem
 
-DEFAULT_ALGO = "explicit_gemm"
 PIN_ARGUMENT = dict(zip(NAMESPACES, ("fwd_algo", "dgrad_algo", "wgrad_algo")))
 
+Pin = str | Sequence[str] | None
 
-def check_algo(algo: str | None, namespace: str) -> str | None:
-    """Validate a user pin early (at layer construction): None or a registered backend name."""
+
+def check_algo(algo: Pin, namespace: str) -> str | tuple[str, ...] | None:
+    """Validate a pin early: None, a mode (auto / trimmed / all), a backend name or a list of names."""
     if algo is None:
         return None
-    if not isinstance(algo, str):
-        raise TypeError(f"{PIN_ARGUMENT[namespace]} must be an algorithm name (str) or None, got {type(algo).__name__}")
-    lookup(algo, namespace, PIN_ARGUMENT[namespace])
-    return algo
+    from ..tune.pools import parse_mode
+
+    parse_mode(algo, namespace, PIN_ARGUMENT[namespace])
+    return algo if isinstance(algo, str) else tuple(algo)
 
 
 def dispatch(
     namespace: str,
     problem: ConvProblem,
-    algo: str | None,
+    algo: Pin,
     a: torch.Tensor,
     b: torch.Tensor,
     kernel_map: KernelMap,
+    record: dict[str, str] | None = None,
 ) -> torch.Tensor:
-    """Run the product ``namespace`` of ``problem`` with the pinned ``algo`` or the default one."""
-    source = PIN_ARGUMENT[namespace]
-    name = DEFAULT_ALGO if algo is None else algo
-    backend = lookup(name, namespace, source)
-    reason = backend.supports(problem)
-    if reason is not None:
-        raise ValueError(f"{source}: algorithm {name!r} cannot run this problem: {reason}")
-    return backend.run(namespace, problem, backend.params_space[0], a, b, kernel_map)
+    """Run product ``namespace`` of ``problem`` with the algorithm the pin or the tuner picks."""
+    from ..tune import get_tuner
+
+    return get_tuner().run(namespace, problem, algo, a, b, kernel_map, record)

@@ -1,6 +1,6 @@
 """Backends, one module per family; importing this package registers them."""
 
-from . import explicit
-from .registry import Backend, lookup, names, register, unregister
+from . import explicit, grouped
+from .registry import Backend, get, lookup, names, register, unregister
 
-__all__ = ["Backend", "explicit", "lookup", "names", "register", "unregister"]
+__all__ = ["Backend", "get", "explicit", "grouped", "lookup", "names", "register", "unregister"]

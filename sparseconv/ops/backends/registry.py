@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -14,8 +14,16 @@ from ..problem import NAMESPACES, ConvProblem
 RunFn = Callable[[str, ConvProblem, Mapping, torch.Tensor, torch.Tensor, KernelMap], torch.Tensor]
 
 
+PoolFn = Callable[[ConvProblem, str], Sequence[Mapping]]
+POOL_LEVELS = ("auto", "trimmed", "all")
+
+
 def _supports_everything(problem: ConvProblem) -> str | None:
     return None
+
+
+def _no_preference(problem: ConvProblem) -> float:
+    return 0.0
 
 
 @dataclass(frozen=True)
@@ -24,7 +32,12 @@ class Backend:
 
     run(namespace, problem, params, a, b, kernel_map) computes the product named by
     ``namespace`` (see :data:`NAMESPACES`); ``supports(problem)`` returns None or the reason it
-    cannot run the problem; ``params_space`` lists the parameter sets a tuner may try.
+    cannot run the problem; ``params_space`` lists every parameter set, and ``pool(problem,
+    level)`` the ones worth timing at a pool level (auto / trimmed / all; default: the first
+    set for auto, all of them otherwise; an empty list leaves the backend out of that pool).
+    ``heuristic(problem)`` scores the backend for an untimed pick (higher wins). ``version``
+    changes whenever the backend's speed or numbers may change: its stored timings then go stale
+    and it is timed again, while other backends' timings stay valid.
     """
 
     name: str
@@ -32,6 +45,15 @@ class Backend:
     run: RunFn
     params_space: tuple[Mapping, ...] = ({},)
     supports: Callable[[ConvProblem], str | None] = field(default=_supports_everything)
+    pool: PoolFn | None = None
+    heuristic: Callable[[ConvProblem], float] = field(default=_no_preference)
+    version: int = 1
+
+    def candidates_params(self, problem: ConvProblem, level: str) -> list[Mapping]:
+        """Parameter sets of this backend in the ``level`` pool for ``problem``."""
+        if self.pool is not None:
+            return list(self.pool(problem, level))
+        return list(self.params_space[:1] if level == "auto" else self.params_space)
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -53,6 +75,10 @@ def register(backend: Backend) -> Backend:
 def unregister(name: str) -> None:
     """Remove a backend (tests inject fakes and take them out again)."""
     _BACKENDS.pop(name, None)
+
+
+def get(name: str) -> Backend:
+    return _BACKENDS[name]
 
 
 def names(namespace: str | None = None) -> list[str]:

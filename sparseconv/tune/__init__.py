@@ -1,0 +1,31 @@
+"""The autotuner: per-namespace algorithm choice, a shared msgpack cache, and @autotune.
+
+Nothing starts at import: the tuner and its cache file come to life on the first conv call
+that needs a choice.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .cache import TuneCache
+from .configs import Candidate, Config
+from .decorator import autotune
+from .key import TuneKey, make_key
+from .tuner import Tuner
+
+
+@functools.cache
+def get_tuner() -> Tuner:
+    """The process-wide tuner (cache file under SPARSECONV_CACHE_DIR, read on first use)."""
+    return Tuner()
+
+
+def reset() -> None:
+    """Forget the process-wide tuner and its cache handle (tests; a changed SPARSECONV_CACHE_DIR)."""
+    if get_tuner.cache_info().currsize and get_tuner()._cache is not None:
+        get_tuner()._cache.flush(force=True)
+    get_tuner.cache_clear()
+
+
+__all__ = ["Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset"]

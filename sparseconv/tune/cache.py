@@ -1,0 +1,350 @@
+"""The tuner's on-disk cache: one msgpack file shared by every process (and rank) on the machine.
+
+File format: ``{"schema": SCHEMA_VERSION, "entries": {namespace: {key: entry}}}``. Writers take
+the advisory lock ``<path>.lock``, re-read the file, keep per (namespace, key) the entry with
+more ``evidence`` (then the later ``updated``), and replace the file atomically, so concurrent
+writers never lose each other's entries and readers never see half a file.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import functools
+import logging
+import math
+import os
+import pathlib
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+
+SCHEMA_VERSION = 1
+
+logger = logging.getLogger("sparseconv.tune.cache")
+
+_Key = tuple[str, str]
+_Entries = dict[_Key, dict]
+_CORRUPT = "corrupt"
+# Between lock polls: short against a write (a few ms), long enough not to spin a core.
+_LOCK_POLL_S = 0.005
+
+
+class _Unusable(Exception):
+    """The cache file cannot be used as a whole; args: (reason, suffix to move it aside under)."""
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """Why ``entry`` cannot be cached, or None when it has the fields the merge rule reads."""
+    if not isinstance(entry, dict):
+        return f"not a dict but {type(entry).__name__}"
+    evidence, updated = entry.get("evidence"), entry.get("updated")
+    if isinstance(evidence, bool) or not isinstance(evidence, int) or evidence < 0:
+        return f"evidence must be an int >= 0, got {evidence!r}"
+    if isinstance(updated, bool) or not isinstance(updated, (int, float)) or not math.isfinite(updated):
+        return f"updated must be a finite time.time() float, got {updated!r}"
+    return None
+
+
+def _wins(challenger: dict, holder: dict) -> bool:
+    """Whether ``challenger`` replaces ``holder``: more evidence, then later ``updated``; ties keep holder."""
+    return (challenger["evidence"], challenger["updated"]) > (holder["evidence"], holder["updated"])
+
+
+def _merge(into: _Entries, other: _Entries) -> list[_Key]:
+    """Take into ``into`` each entry of ``other`` that wins over the one held; returns their keys."""
+    taken = []
+    for key, entry in other.items():
+        held = into.get(key)
+        if held is None or _wins(entry, held):
+            into[key] = entry
+            taken.append(key)
+    return taken
+
+
+def _read(path: pathlib.Path) -> _Entries:
+    """Entries of the cache file at ``path``, {} if there is none; raises _Unusable or OSError."""
+    try:
+        doc = msgpack.unpackb(path.read_bytes(), raw=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except (ValueError, msgpack.UnpackException) as exc:  # bad bytes: ValueError subclasses or OutOfData
+        raise _Unusable(f"not valid msgpack: {type(exc).__name__}: {exc}", _CORRUPT) from None
+    if not isinstance(doc, dict) or "schema" not in doc:
+        raise _Unusable(f"not a cache document: {type(doc).__name__} without 'schema'", _CORRUPT)
+    if doc["schema"] != SCHEMA_VERSION:
+        tag = doc["schema"] if isinstance(doc["schema"], int) else "unknown"
+        raise _Unusable(f"schema {doc['schema']!r}, expected {SCHEMA_VERSION}", f"old-schema-{tag}")
+    if not isinstance(doc.get("entries"), dict):
+        raise _Unusable("'entries' is not a dict", _CORRUPT)
+    entries: _Entries = {}
+    dropped: list[str] = []
+    for namespace, table in doc["entries"].items():
+        if not isinstance(namespace, str) or not isinstance(table, dict):
+            dropped.append(f"namespace {namespace!r}: not a str mapping to a dict")
+            continue
+        for key, entry in table.items():
+            problem = _entry_problem(entry) if isinstance(key, str) else "key is not a str"
+            if problem is None:
+                entries[(namespace, key)] = entry
+            else:
+                dropped.append(f"{namespace}/{key}: {problem}")
+    if dropped:
+        logger.warning("dropped %d malformed tune cache entries (%s)", len(dropped), "; ".join(dropped[:5]))
+    return entries
+
+
+def _write_atomic(path: pathlib.Path, entries: _Entries) -> None:
+    """Write ``entries`` to ``path`` through a synced temp file and os.replace; raises OSError."""
+    nested: dict[str, dict[str, dict]] = {}
+    for (namespace, key), entry in sorted(entries.items()):
+        nested.setdefault(namespace, {})[key] = entry
+    data = msgpack.packb({"schema": SCHEMA_VERSION, "entries": nested}, use_bin_type=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp makes 0600; other users' processes read this cache too
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class TuneCache:
+    """Entries by (namespace, key); in memory, merged with the file on load and flush."""
+
+    def __init__(
+        self, path: str | os.PathLike, *, lock_timeout_s: float = 10.0, flush_interval_s: float = 2.0
+    ) -> None:
+        self.path = pathlib.Path(path)
+        self.lock_timeout_s = lock_timeout_s
+        self.flush_interval_s = flush_interval_s
+        self._entries: _Entries = {}
+        self._dirty: set[_Key] = set()
+        self._loaded = False
+        self._last_attempt = -math.inf
+        self._writing = False
+        self._unwritable_warned = False
+        self._atexit_installed = self._sigterm_installed = False
+        # Order: _io_lock -> file lock -> _mem_lock. Reentrant because the SIGTERM handler runs
+        # on the main thread, possibly in the middle of one of our own critical sections.
+        self._io_lock = threading.RLock()
+        self._mem_lock = threading.RLock()
+
+    def get(self, namespace: str, key: str) -> dict | None:
+        """The entry for (namespace, key), or None; treat it as read-only and put a new one to change it."""
+        self._ensure_loaded()
+        with self._mem_lock:
+            return self._entries.get((namespace, key))
+
+    def put(self, namespace: str, key: str, entry: dict) -> None:
+        """Store ``entry`` (replacing what memory holds) and flush if flush_interval_s has passed."""
+        if not isinstance(namespace, str) or not isinstance(key, str):
+            names = f"{type(namespace).__name__}, {type(key).__name__}"
+            raise TypeError(f"namespace and key must be str, got {names}")
+        problem = _entry_problem(entry)
+        if problem is not None:
+            raise ValueError(f"entry for {namespace}/{key}: {problem}")
+        try:
+            msgpack.packb(entry, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(f"entry for {namespace}/{key} is not msgpack-able: {exc}") from None
+        with self._mem_lock:
+            self._entries[(namespace, key)] = dict(entry)
+            self._dirty.add((namespace, key))
+        self.flush()
+
+    def items(self, namespace: str | None = None) -> list[tuple[str, str, dict]]:
+        """(namespace, key, entry) of every entry, or of one namespace, sorted."""
+        self._ensure_loaded()
+        with self._mem_lock:
+            found = [(ns, k, e) for (ns, k), e in self._entries.items() if namespace in (None, ns)]
+        return sorted(found, key=lambda item: item[:2])
+
+    def flush(self, force: bool = False) -> bool:
+        """Merge unflushed puts into the file if forced or flush_interval_s has passed; True if it wrote."""
+        with self._io_lock:
+            if self._writing:  # re-entered by the SIGTERM handler mid-write on this thread
+                return False
+            with self._mem_lock:
+                if not self._dirty:
+                    return False
+                # Failed attempts count too: a contended lock must not stall every put.
+                if not force and time.monotonic() - self._last_attempt < self.flush_interval_s:
+                    return False
+                pending = {key: self._entries[key] for key in self._dirty}
+            self._last_attempt = time.monotonic()
+            self._writing = True
+            try:
+                return self._write(pending)
+            finally:
+                self._writing = False
+
+    def clear(self) -> None:
+        """Forget every entry, in memory and in the file."""
+        with self._io_lock:
+            with self._mem_lock:
+                self._entries.clear()
+                self._dirty.clear()
+                self._loaded = True
+            try:
+                with self._file_lock() as held:
+                    if held:
+                        _write_atomic(self.path, {})
+            except OSError as exc:
+                self._warn_unwritable(exc)
+
+    def export(self, path: str | os.PathLike) -> int:
+        """Write every entry to the cache file ``path`` (atomically); returns the count; raises OSError."""
+        self._ensure_loaded()
+        with self._mem_lock:
+            entries = dict(self._entries)
+        _write_atomic(pathlib.Path(path), entries)
+        return len(entries)
+
+    def merge_file(self, path: str | os.PathLike) -> int:
+        """Take the winning entries of the cache file ``path``, then flush; returns how many were taken."""
+        try:
+            other = _read(pathlib.Path(path))
+        except _Unusable as exc:  # OSError (missing, unreadable) is the caller's to see as is
+            raise ValueError(f"merge_file: {os.fspath(path)!r} is not a tune cache: {exc.args[0]}") from None
+        self._ensure_loaded()
+        with self._mem_lock:
+            taken = _merge(self._entries, other)
+            self._dirty.update(taken)
+        self.flush(force=True)
+        return len(taken)
+
+    def install_exit_hooks(self) -> None:
+        """Flush at interpreter exit and on SIGTERM (main thread only); idempotent, never raises."""
+        try:
+            if not self._atexit_installed:
+                atexit.register(self._flush_quietly)
+                self._atexit_installed = True
+            if self._sigterm_installed:
+                return
+            if threading.current_thread() is not threading.main_thread():
+                logger.warning("tune cache %s: no SIGTERM flush (not called on the main thread)", self.path)
+                return
+            previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, functools.partial(self._on_sigterm, previous))
+            self._sigterm_installed = True
+        except Exception:  # noqa: BLE001 - hooks are a convenience; a failure must not stop the caller
+            logger.warning("tune cache %s: could not install exit hooks", self.path, exc_info=True)
+
+    # -- private -------------------------------------------------------------------------------
+
+    def _flush_quietly(self) -> None:
+        try:
+            self.flush(force=True)
+        except Exception:  # noqa: BLE001 - at exit or in a signal handler raising helps no one
+            logger.warning("tune cache %s: final flush failed", self.path, exc_info=True)
+
+    def _on_sigterm(self, previous: Any, signum: int, frame: Any) -> None:
+        self._flush_quietly()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            # SIG_DFL (or a C-level handler we cannot call): die by the signal, so the parent
+            # sees the right exit status.
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    def _ensure_loaded(self) -> None:
+        if self._loaded:
+            return
+        with self._io_lock:
+            if self._loaded:
+                return
+            try:
+                try:
+                    disk = _read(self.path)
+                except _Unusable:
+                    # Re-read under the lock (a writer may have just replaced it); only then move it aside.
+                    with self._file_lock() as held:
+                        disk = self._read_locked(move_aside=held)
+            except OSError as exc:
+                logger.warning("tune cache %s not loaded (%s); starting empty", self.path, exc)
+                disk = {}
+            with self._mem_lock:
+                _merge(self._entries, disk)
+                self._loaded = True
+
+    def _read_locked(self, move_aside: bool) -> _Entries:
+        """The file's entries; an unusable one is reported and, if ``move_aside``, renamed out of the way."""
+        try:
+            return _read(self.path)
+        except _Unusable as exc:
+            reason, suffix = exc.args
+            fate = "left in place"
+            if move_aside:
+                if suffix == _CORRUPT:
+                    suffix += f"-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+                aside = self.path.with_name(f"{self.path.name}.{suffix}")
+                os.replace(self.path, aside)
+                fate = f"moved aside to {aside}"
+            logger.warning("tune cache %s is unusable (%s); %s, starting fresh", self.path, reason, fate)
+            return {}
+
+    @contextlib.contextmanager
+    def _file_lock(self) -> Iterator[bool]:
+        """Hold ``<path>.lock``; yields False, with a warning, after lock_timeout_s; raises OSError."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            deadline = time.monotonic() + self.lock_timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        msg = "tune cache %s: lock not had within %.1f s; skipped, unflushed entries kept"
+                        logger.warning(msg, self.path, self.lock_timeout_s)
+                        yield False
+                        return
+                    time.sleep(_LOCK_POLL_S)
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _write(self, pending: _Entries) -> bool:
+        """Merge ``pending`` with the file under the lock and write it; returns whether it wrote."""
+        try:
+            with self._file_lock() as held:
+                if not held:
+                    return False
+                disk = self._read_locked(move_aside=True)
+                merged = dict(disk)
+                _merge(merged, pending)
+                _write_atomic(self.path, merged)
+        except OSError as exc:
+            self._warn_unwritable(exc)
+            return False
+        self._unwritable_warned = False
+        with self._mem_lock:
+            # Only what no put replaced while we wrote is clean; then learn what others wrote.
+            written = [key for key, entry in pending.items() if self._entries.get(key) is entry]
+            self._dirty.difference_update(written)
+            _merge(self._entries, disk)
+            self._loaded = True
+        return True
+
+    def _warn_unwritable(self, exc: OSError) -> None:
+        if not self._unwritable_warned:
+            self._unwritable_warned = True
+            logger.warning("tune cache %s cannot be written (%s); keeping entries in memory", self.path, exc)

@@ -1,0 +1,108 @@
+"""Problem -> cache key: what a tuning result depends on, bucketed so similar layers share it.
+
+Bucketing, and why: the ranking of gather-GEMM-scatter algorithms moves smoothly with the row
+counts, so N_in and N_out go into half-octave buckets (round(2·log2 N): sizes within a factor
+of about 1.19 either side of a bucket centre share it, and a winner timed at one end stays
+within a few percent of the best at the other). Pair density (pairs / (N_out·K): how full the
+neighbour table is) decides how much a grouped or masked kernel wastes on absent neighbours; it
+is bucketed the same way. Channels, kernel volume, geometry and dtype change the kernels that
+run, so they are exact. The device identity keeps a cache file shared between machines honest.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from ..coords.kernel_map import KernelMap
+from ..ops.problem import ConvProblem
+
+TUNER_VERSION = 1
+"""Bump when the key layout or the meaning of a stored timing changes; old entries then miss."""
+
+
+def size_bucket(n: int) -> int:
+    """Half-octave bucket of a row count: round(2·log2 n); -1 for 0."""
+    return round(2 * math.log2(n)) if n > 0 else -1
+
+
+def density_bucket(pairs: int, slots: int) -> int:
+    """Half-octave bucket of how full the neighbour table is: round(-2·log2(pairs/slots)), capped at 20."""
+    if pairs <= 0 or slots <= 0:
+        return 20
+    return min(20, round(-2 * math.log2(pairs / slots)))
+
+
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+@functools.cache
+def _cuda_identity(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    return f"{props.name} sm{props.major}{props.minor} {props.multi_processor_count}SM"
+
+
+def device_identity(device: torch.device) -> str:
+    """GPU: name, compute capability, SM count; CPU: model and torch's thread count."""
+    if device.type == "cuda":
+        return f"cuda {_cuda_identity(device.index if device.index is not None else torch.cuda.current_device())}"
+    return f"cpu {_cpu_model()} {torch.get_num_threads()}t"
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    """One entry of the cache: the product, its bucketed sizes and everything that changes kernels."""
+
+    namespace: str
+    num_in: int
+    num_out: int
+    density: int
+    in_channels: int
+    out_channels: int
+    kernel_volume: int
+    geometry: str
+    dtype: str
+    device: str
+    version: int = TUNER_VERSION
+
+    def encode(self) -> str:
+        """Stable, human-readable string (the cache file's key)."""
+        return (
+            f"v{self.version}|n{self.num_in}>{self.num_out}|d{self.density}|c{self.in_channels}>{self.out_channels}"
+            f"|k{self.kernel_volume}|{self.geometry}|{self.dtype}|{self.device}"
+        )
+
+
+def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap) -> TuneKey:
+    """The key of ``namespace`` for ``problem``; dgrad is keyed as the swapped problem (out -> in)."""
+    num_in, num_out = problem.num_in, problem.num_out
+    c_in, c_out = problem.in_channels, problem.out_channels
+    if namespace == "ABt_gather_scatter":
+        num_in, num_out, c_in, c_out = num_out, num_in, c_out, c_in
+    geometry = "x".join(map(str, problem.stride))
+    geometry = ("t" if problem.transposed else "s") + geometry + ("g" if problem.generative else "")
+    return TuneKey(
+        namespace=namespace,
+        num_in=size_bucket(num_in),
+        num_out=size_bucket(num_out),
+        density=density_bucket(kernel_map.num_pairs, kernel_map.num_out * kernel_map.kernel_volume),
+        in_channels=c_in,
+        out_channels=c_out,
+        kernel_volume=problem.kernel_volume,
+        geometry=geometry,
+        dtype=str(problem.dtype).removeprefix("torch."),
+        device=device_identity(problem.device),
+    )

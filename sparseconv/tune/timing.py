@@ -1,0 +1,78 @@
+"""Timing candidates: CUDA events on GPU (L2 flushed between runs), perf_counter on CPU.
+
+Medians, not means: one preempted run on a shared CPU or a clock ramp on a GPU moves a mean
+but not a median. Candidates whose medians are within ``CLOSE`` of the best are re-timed
+interleaved (A B C A B C ...), so a drift in machine state hits all of them alike before a
+winner is declared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+CLOSE = 0.05
+
+
+@dataclass(frozen=True)
+class TimingPlan:
+    warmup: int
+    repeats: int
+    flush_l2: bool
+
+
+def plan_for(device: torch.device) -> TimingPlan:
+    if device.type == "cuda":
+        return TimingPlan(warmup=3, repeats=20, flush_l2=True)
+    return TimingPlan(warmup=1, repeats=7, flush_l2=False)
+
+
+class Timer:
+    """Times zero-argument callables on one device; returns milliseconds per run."""
+
+    def __init__(self, device: torch.device, plan: TimingPlan | None = None) -> None:
+        self.device = device
+        self.plan = plan or plan_for(device)
+        self._flush_buffer: torch.Tensor | None = None
+
+    def _flush(self) -> None:
+        if not self.plan.flush_l2 or self.device.type != "cuda":
+            return
+        if self._flush_buffer is None:
+            l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 64 << 20)
+            self._flush_buffer = torch.empty(2 * max(l2, 1 << 20), dtype=torch.uint8, device=self.device)
+        self._flush_buffer.zero_()
+
+    def once(self, fn: Callable[[], object]) -> float:
+        self._flush()
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        begin = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - begin)
+
+    def median(self, fn: Callable[[], object], warmup: int | None = None, repeats: int | None = None) -> tuple[float, int]:
+        """(median ms, samples) after warm-up."""
+        for _ in range(self.plan.warmup if warmup is None else warmup):
+            fn()
+        samples = [self.once(fn) for _ in range(self.plan.repeats if repeats is None else repeats)]
+        return statistics.median(samples), len(samples)
+
+    def interleaved(self, fns: Sequence[Callable[[], object]], rounds: int | None = None) -> list[tuple[float, int]]:
+        """(median ms, samples) of each callable, timed round-robin."""
+        rounds = rounds or self.plan.repeats
+        samples: list[list[float]] = [[] for _ in fns]
+        for _ in range(rounds):
+            for i, fn in enumerate(fns):
+                samples[i].append(self.once(fn))
+        return [(statistics.median(s), len(s)) for s in samples]

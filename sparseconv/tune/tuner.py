@@ -1,0 +1,261 @@
+"""The tuner: for each product of each conv call, which backend and parameters run.
+
+Single-name modes run that backend untouched. Otherwise the tuner looks up the problem's key in
+the cache file, times only the pool's candidates that have no current timing there, guards each
+against ``explicit_gemm`` on the same inputs, re-times close finishers interleaved, agrees with
+the other ranks, remembers the choice for the process and stores every timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .. import config
+from ..coords.kernel_map import KernelMap
+from ..ops.backends import registry
+from ..ops.problem import ConvProblem
+from .cache import TuneCache
+from .configs import Candidate
+from .distributed import agree
+from .key import TuneKey, make_key
+from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
+from .timing import CLOSE, Timer
+
+logger = logging.getLogger("sparseconv.tune")
+
+# Relative Frobenius error a candidate may differ from explicit_gemm by. fp32 on CUDA allows
+# tf32 products (~3e-4 typical); half types allow one rounding of the output plus a different
+# fp32 summation order.
+GUARD_TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-5,
+    torch.float16: 5e-3,
+    torch.bfloat16: 2e-2,
+}
+GUARD_TOLERANCE_CUDA_FP32 = 2e-3
+
+
+def guard_tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    if dtype == torch.float32 and device.type == "cuda":
+        return GUARD_TOLERANCE_CUDA_FP32
+    return GUARD_TOLERANCE.get(dtype, 1e-5)
+
+
+def check_output(out: object, reference: torch.Tensor) -> str | None:
+    """None if ``out`` passes the numeric guard against ``reference``, else why it fails."""
+    if not isinstance(out, torch.Tensor) or out.shape != reference.shape or out.dtype != reference.dtype:
+        return f"returned {getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}, expected {tuple(reference.shape)} {reference.dtype}"
+    if not bool(torch.isfinite(out).all()):
+        return "non-finite values"
+    scale = float(reference.double().norm())
+    error = float((out.double() - reference.double()).norm()) / max(scale, 1e-30)
+    tolerance = guard_tolerance(reference.dtype, reference.device)
+    return None if error <= tolerance else f"relative error {error:.2e} > {tolerance:.0e}"
+
+
+class Tuner:
+    """Chooses, runs and remembers algorithms; one per process (see :func:`sparseconv.tune.get_tuner`)."""
+
+    def __init__(self, cache: TuneCache | None = None) -> None:
+        self._cache = cache
+        self._choices: dict[tuple, Candidate] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def cache(self) -> TuneCache:
+        if self._cache is None:
+            self._cache = TuneCache(config.cache_dir() / "autotune.msgpack")
+            self._cache.install_exit_hooks()
+        return self._cache
+
+    def choices(self) -> dict[str, str]:
+        """Encoded key -> chosen candidate id, for everything decided in this process."""
+        return {key.encode(): candidate.id for (key, *_), candidate in self._choices.items()}
+
+    def forget(self) -> None:
+        """Drop the in-process choices (the cache file keeps its timings)."""
+        with self._lock:
+            self._choices.clear()
+
+    def run(
+        self,
+        namespace: str,
+        problem: ConvProblem,
+        pin: str | Sequence[str] | None,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        kernel_map: KernelMap,
+        record: dict[str, str] | None = None,
+    ) -> torch.Tensor:
+        """Compute ``namespace`` of ``problem`` with the chosen candidate; note its id in ``record``."""
+        mode = resolve_mode(namespace, pin)
+        if mode.single:
+            candidate = candidate_pool(namespace, problem, mode, "quick")[0]
+        else:
+            effort = config.autotune_effort()
+            key = make_key(namespace, problem, kernel_map)
+            memo = (key, mode.level, mode.names, effort)
+            candidate = self._choices.get(memo)
+            if candidate is None:
+                with self._lock:
+                    candidate = self._choices.get(memo)
+                    if candidate is None:
+                        candidate = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map)
+                        self._choices[memo] = candidate
+        if record is not None:
+            record[namespace] = candidate.id
+        return _execute(namespace, problem, candidate, a, b, kernel_map)
+
+    def _decide(
+        self,
+        namespace: str,
+        key: TuneKey,
+        problem: ConvProblem,
+        mode: AlgoMode,
+        effort: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        kernel_map: KernelMap,
+    ) -> Candidate:
+        pool = candidate_pool(namespace, problem, mode, effort) or [Candidate(FALLBACK)]
+        encoded = key.encode()
+        entry = self.cache.get(namespace, encoded) or {"timings": {}, "evidence": 0}
+        timings: dict[str, dict] = dict(entry.get("timings", {}))
+
+        def current(c: Candidate) -> dict | None:
+            timing = timings.get(c.id)
+            return timing if timing is not None and timing.get("version") == registry.get(c.backend).version else None
+
+        fresh: list[Candidate] = []
+        if effort != "none":
+            missing = [c for c in pool if current(c) is None]
+            if missing:
+                timings.update(self._sweep(namespace, problem, missing, a, b, kernel_map))
+                fresh = missing
+        ok = sorted((c for c in pool if (current(c) or {}).get("verdict") == "ok"), key=lambda c: timings[c.id]["ms"])
+        if ok and len(ok) > 1 and fresh:
+            close = [c for c in ok if timings[c.id]["ms"] <= timings[ok[0].id]["ms"] * (1 + CLOSE)]
+            if len(close) > 1 and any(c in fresh for c in close):
+                self._retime(namespace, problem, close, timings, a, b, kernel_map)
+                ok.sort(key=lambda c: timings[c.id]["ms"])
+        if ok:
+            choice = ok[0]
+        elif effort == "none":
+            choice = pool[0]
+        else:
+            logger.warning("sparseconv: no candidate passed for %s %s; running %s", namespace, encoded, FALLBACK)
+            choice = Candidate(FALLBACK)
+        agreed = agree(namespace, encoded, choice.id)
+        if agreed != choice.id:
+            choice = next((c for c in pool if c.id == agreed), None) or _known(agreed) or choice
+        if fresh:
+            self._store(namespace, encoded, timings)
+        _log_sweep(namespace, encoded, pool, timings, choice, fresh)
+        return choice
+
+    def _sweep(
+        self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map
+    ) -> dict[str, dict]:
+        reference = registry.get(FALLBACK).run(namespace, problem, {}, a, b, kernel_map)
+        timer = Timer(a.device)
+        results = {}
+        for candidate in candidates:
+            backend = registry.get(candidate.backend)
+            params = candidate.params_dict
+
+            def call(backend=backend, params=params):
+                return backend.run(namespace, problem, params, a, b, kernel_map)
+
+            record = {"backend": candidate.backend, "params": list(map(list, candidate.params)),
+                      "version": backend.version, "ms": None, "samples": 0}
+            try:
+                problem_found = check_output(call(), reference)
+                if problem_found is None:
+                    record["ms"], record["samples"] = timer.median(call)
+                    record["verdict"] = "ok"
+                else:
+                    record.update(verdict="wrong", reason=problem_found)
+            except Exception as error:  # noqa: BLE001 - a failing candidate is skipped, never fatal
+                if isinstance(error, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                record.update(verdict="failed", reason=f"{type(error).__name__}: {error}"[:300])
+            if record["verdict"] != "ok":
+                logger.info("sparseconv: %s disqualified for %s: %s", candidate.id, namespace, record["reason"])
+            results[candidate.id] = record
+        return results
+
+    def _retime(self, namespace, problem, candidates: list[Candidate], timings: dict, a, b, kernel_map) -> None:
+        calls = [
+            (lambda backend=registry.get(c.backend), params=c.params_dict:
+             backend.run(namespace, problem, params, a, b, kernel_map))
+            for c in candidates
+        ]
+        for candidate, (ms, samples) in zip(candidates, Timer(a.device).interleaved(calls)):
+            timings[candidate.id] = {**timings[candidate.id], "ms": ms, "samples": timings[candidate.id]["samples"] + samples}
+
+    def _store(self, namespace: str, encoded: str, timings: dict[str, dict]) -> None:
+        ok = {cid: t for cid, t in timings.items() if t.get("verdict") == "ok"}
+        entry = {
+            "timings": timings,
+            "winner": min(ok, key=lambda cid: ok[cid]["ms"]) if ok else FALLBACK,
+            "evidence": sum(int(t.get("samples", 0)) for t in timings.values()),
+            "updated": time.time(),
+        }
+        self.cache.put(namespace, encoded, entry)
+
+
+def _known(candidate_id: str) -> Candidate | None:
+    """A candidate another rank chose, if this process has that backend too."""
+    name = candidate_id.split("[", 1)[0]
+    if name not in registry.names():
+        logger.warning("sparseconv: another rank chose %s, which this process lacks", candidate_id)
+        return None
+    if "[" not in candidate_id:
+        return Candidate(name)
+    for params in registry.get(name).params_space:
+        candidate = Candidate.of(name, params)
+        if candidate.id == candidate_id:
+            return candidate
+    return None
+
+
+def _execute(namespace: str, problem: ConvProblem, candidate: Candidate, a, b, kernel_map: KernelMap) -> torch.Tensor:
+    backend = registry.get(candidate.backend)
+    try:
+        return backend.run(namespace, problem, candidate.params_dict, a, b, kernel_map)
+    except Exception as error:  # noqa: BLE001 - a tuned choice that fails later (e.g. OOM) falls back
+        if candidate.backend == FALLBACK:
+            raise
+        logger.warning("sparseconv: %s failed for %s (%s); running %s", candidate.id, namespace, error, FALLBACK)
+        return registry.get(FALLBACK).run(namespace, problem, {}, a, b, kernel_map)
+
+
+def _log_sweep(namespace: str, encoded: str, pool, timings: dict, choice: Candidate, fresh) -> None:
+    if not config.autotune_log():
+        return
+    _ensure_handler()
+    rows = [f"{'candidate':<40} {'median ms':>10}  verdict"]
+    for c in pool:
+        t = timings.get(c.id, {})
+        ms = f"{t['ms']:.3f}" if t.get("ms") is not None else "-"
+        verdict = t.get("verdict", "not timed") + (f" ({t['reason']})" if t.get("reason") else "")
+        rows.append(f"{c.id:<40} {ms:>10}  {verdict}{'' if c in fresh else ' [cached]'}")
+    logger.info("sparseconv autotune %s %s\n%s\nwinner: %s", namespace, encoded, "\n".join(rows), choice.id)
+
+
+def _ensure_handler() -> None:
+    # SPARSECONV_AUTOTUNE_LOG=1 is a request to see the sweeps: show them even if the
+    # application configured no logging, without duplicating a handler it did configure.
+    root = logging.getLogger("sparseconv")
+    if not root.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)

@@ -1,0 +1,183 @@
+"""The tuner: modes, strict names, effort, guard, failures, cache reuse, logging."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conv_cases import MODES, make_input
+from fakes import Calls, fast, registered, slow, wrong
+
+import sparseconv.tune
+from sparseconv.ops import sparse_conv3d
+from sparseconv.ops.backends import explicit
+
+SUBMANIFOLD = MODES[1]
+
+
+def conv(record=None, x=None, **pins):
+    x = x or make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float32, n=300)
+    feats = x.feats.clone().requires_grad_()
+    weight = torch.randn(27, 4, 5, requires_grad=True)
+    out = sparse_conv3d(x.replace(feats), weight, record=record, **pins)
+    out.feats.backward(torch.randn_like(out.feats))
+    return x, feats, weight, out
+
+
+def entries(namespace=None):
+    return sparseconv.tune.get_tuner().cache.items(namespace)
+
+
+def test_single_name_from_env_runs_without_timing(monkeypatch):
+    calls = Calls()
+    monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "fake_slow")
+    with registered(slow(calls)):
+        record = {}
+        conv(record)
+    assert record["AB_gather_scatter"] == "fake_slow" and calls.of("fake_slow", "AB_gather_scatter") == 1
+    assert entries("AB_gather_scatter") == [] and len(entries("AtB_gather_gather")) == 1
+
+
+def test_kwarg_pin_overrides_env_and_is_honoured_in_backward(monkeypatch):
+    calls = Calls()
+    monkeypatch.setenv("SPARSECONV_DGRAD_ALGO_MODE", "explicit_gemm")
+    with registered(slow(calls)):
+        record = {}
+        conv(record, dgrad_algo="fake_slow", wgrad_algo="fake_slow")
+    assert record["ABt_gather_scatter"] == record["AtB_gather_gather"] == "fake_slow"
+    assert calls.of("fake_slow", "ABt_gather_scatter") == calls.of("fake_slow", "AtB_gather_gather") == 1
+
+
+@pytest.mark.parametrize("variable, source", [("SPARSECONV_FWD_ALGO_MODE", "SPARSECONV_FWD_ALGO_MODE"),
+                                              ("SPARSECONV_WGRAD_ALGO_MODE", "SPARSECONV_WGRAD_ALGO_MODE")])
+def test_unknown_name_in_env_names_the_variable_and_the_closest_match(monkeypatch, variable, source):
+    monkeypatch.setenv(variable, "[explicit_gemm, explicit_gemm_grupped]")
+    with pytest.raises(ValueError, match=rf"{source}: unknown algorithm 'explicit_gemm_grupped'.*did you mean 'explicit_gemm_grouped'"):
+        conv()
+
+
+def test_unsupported_backend_is_an_error_alone_and_skipped_in_a_list(caplog):
+    calls = Calls()
+    unsupported = slow(calls, "fake_gpu_only", supports=lambda problem: "needs a CUDA device")
+    with registered(unsupported):
+        with pytest.raises(ValueError, match="fwd_algo: algorithm 'fake_gpu_only' cannot run this problem: needs a CUDA device"):
+            conv(fwd_algo="fake_gpu_only")
+        with caplog.at_level(logging.INFO, logger="sparseconv"):
+            record = {}
+            conv(record, fwd_algo=["fake_gpu_only", "explicit_gemm"])
+    assert record["AB_gather_scatter"] == "explicit_gemm" and calls.of("fake_gpu_only") == 0
+    assert "skipping fake_gpu_only: needs a CUDA device" in caplog.text
+
+
+def test_list_mode_times_only_the_listed_candidates():
+    calls = Calls()
+    with registered(slow(calls), fast(calls)):
+        record = {}
+        conv(record, fwd_algo="[fake_slow, explicit_gemm]")
+    assert calls.of("fake_fast", "AB_gather_scatter") == 0 and calls.of("fake_slow", "AB_gather_scatter") > 1
+    assert record["AB_gather_scatter"] == "explicit_gemm"
+    (_, _, entry), = entries("AB_gather_scatter")
+    assert set(entry["timings"]) == {"fake_slow", "explicit_gemm"}
+
+
+def test_auto_picks_the_fastest_correct_candidate_and_results_stay_right():
+    calls = Calls()
+    with registered(slow(calls), fast(calls), wrong(calls), wrong(calls, "fake_nan", how="nan"),
+                    wrong(calls, "fake_broken", how="raise")):
+        record = {}
+        x, feats, weight, out = conv(record)
+    assert record == {ns: "fake_fast" for ns in ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")}
+    torch.testing.assert_close(out.feats, explicit.forward(x.feats, weight, out.cache.kernel_map(
+        next(iter(out.cache._maps)))[0]))
+    verdicts = {cid: t["verdict"] for _, _, e in entries("AB_gather_scatter") for cid, t in e["timings"].items()}
+    assert verdicts["fake_wrong"] == "wrong" and verdicts["fake_nan"] == "wrong" and verdicts["fake_broken"] == "failed"
+    assert verdicts["fake_fast"] == verdicts["fake_slow"] == verdicts["explicit_gemm"] == "ok"
+    reasons = {cid: t.get("reason", "") for _, _, e in entries("AB_gather_scatter") for cid, t in e["timings"].items()}
+    assert "relative error" in reasons["fake_wrong"] and "non-finite" in reasons["fake_nan"]
+    assert "fake compile error" in reasons["fake_broken"]
+
+
+def test_when_every_listed_candidate_fails_explicit_gemm_runs(caplog):
+    calls = Calls()
+    with registered(wrong(calls), wrong(calls, "fake_broken", how="raise")):
+        with caplog.at_level(logging.WARNING, logger="sparseconv"):
+            record = {}
+            x, feats, weight, out = conv(record, fwd_algo=["fake_wrong", "fake_broken"])
+    assert record["AB_gather_scatter"] == "explicit_gemm"
+    assert "no candidate passed" in caplog.text
+
+
+def test_cached_timings_are_reused_and_a_new_backend_only_times_itself():
+    calls = Calls()
+    x = make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float32, n=300)
+    with registered(slow(calls)):
+        conv(x=x)
+    first = {ns: e for ns, _, e in entries()}
+    sparseconv.tune.reset()
+    calls_before = calls.of("fake_slow")
+    with registered(slow(calls), fast(calls)):
+        record = {}
+        conv(record, x=x)
+    assert calls.of("fake_slow") == calls_before  # its cached timings lose to fake_fast: not run again
+    assert calls.of("fake_fast") > 3 and record["AB_gather_scatter"] == "fake_fast"
+    for namespace, _, entry in entries():
+        old = first[namespace]["timings"]
+        assert {cid: t for cid, t in entry["timings"].items() if cid in old} == old
+        assert entry["evidence"] > first[namespace]["evidence"]
+
+
+def test_a_new_backend_version_makes_only_its_timings_stale():
+    calls = Calls()
+    x = make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float32, n=300)
+    with registered(slow(calls, version=1)):
+        conv(x=x)
+    sparseconv.tune.reset()
+    with registered(slow(calls, version=2)):
+        before = calls.of("fake_slow")
+        conv(x=x)
+        assert calls.of("fake_slow") - before > 3
+    versions = {e["timings"]["fake_slow"]["version"] for _, _, e in entries()}
+    assert versions == {2}
+
+
+def test_effort_none_picks_by_heuristic_without_timing(monkeypatch):
+    calls = Calls()
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "none")
+    with registered(slow(calls, heuristic=lambda problem: 5.0)):
+        record = {}
+        conv(record)
+    assert record["AB_gather_scatter"] == "fake_slow" and calls.of("fake_slow") == 3
+    assert entries() == []
+
+
+def test_effort_full_widens_auto_to_every_parameter_set(monkeypatch):
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "full")
+    conv()
+    (_, _, entry), = entries("AB_gather_scatter")
+    assert {cid for cid in entry["timings"] if cid.startswith("explicit_gemm_grouped")} == {
+        f"explicit_gemm_grouped[max_waste={w}]" for w in (0.25, 0.0, 0.1, 0.5, 1.0)}
+
+
+def test_bad_effort_is_rejected(monkeypatch):
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "fast")
+    with pytest.raises(ValueError, match=r"SPARSECONV_AUTOTUNE_EFFORT must be one of \('none', 'quick', 'full'\)"):
+        conv()
+
+
+def test_autotune_log_shows_a_table_and_the_winner(monkeypatch, caplog):
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_LOG", "1")
+    with caplog.at_level(logging.INFO, logger="sparseconv"):
+        conv()
+    assert "sparseconv autotune AB_gather_scatter" in caplog.text
+    assert "median ms" in caplog.text and "winner:" in caplog.text
+
+
+def test_module_reports_the_algorithms_it_ran():
+    from sparseconv.nn import SparseConv3d
+
+    x = make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float32)
+    layer = SparseConv3d(4, 4, 3, wgrad_algo="explicit_gemm_grouped")
+    layer(x.replace(x.feats.requires_grad_())).feats.sum().backward()
+    assert layer.algorithms["AtB_gather_gather"] == "explicit_gemm_grouped[max_waste=0.25]"
+    assert set(layer.algorithms) == {"AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather"}
