@@ -1,4 +1,4 @@
-"""Command line: ``python -m sparseconv demo [--scene street|room] [--device cuda] ...``."""
+"""Command line: ``python -m sparseconv demo ...`` and ``python -m sparseconv cache show|clear|export|merge|populate``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     demo.add_argument("--width", type=int, default=32, help="channels of the first stage")
     demo.add_argument("--iterations", type=int, default=3)
+    from .tune import cli as cache_cli
+
+    cache_cli.add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "cache":
+        return cache_cli.run(args)
 
     from .demo import format_report, run_demo
 

@@ -96,7 +96,8 @@ def _read(path: pathlib.Path) -> _Entries:
             else:
                 dropped.append(f"{namespace}/{key}: {problem}")
     if dropped:
-        logger.warning("dropped %d malformed tune cache entries (%s)", len(dropped), "; ".join(dropped[:5]))
+        msg = "tune cache %s: dropped %d malformed entries (%s)"
+        logger.warning(msg, path, len(dropped), "; ".join(dropped[:5]))
     return entries
 
 

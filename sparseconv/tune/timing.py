@@ -20,15 +20,22 @@ CLOSE = 0.05
 
 @dataclass(frozen=True)
 class TimingPlan:
+    """``repeats`` samples after ``warmup`` runs, but no more than ``budget_ms`` of timed runs
+    per candidate (estimated from the warm-up) and never fewer than ``min_repeats``."""
+
     warmup: int
     repeats: int
     flush_l2: bool
+    min_repeats: int = 3
+    budget_ms: float = float("inf")
 
 
 def plan_for(device: torch.device) -> TimingPlan:
     if device.type == "cuda":
-        return TimingPlan(warmup=3, repeats=20, flush_l2=True)
-    return TimingPlan(warmup=1, repeats=7, flush_l2=False)
+        return TimingPlan(warmup=3, repeats=20, flush_l2=True, min_repeats=10, budget_ms=200.0)
+    # CPU runs are noisier (other processes, frequency scaling): more samples when they are
+    # cheap, but a bounded budget so a 100 ms layer does not make tuning take seconds.
+    return TimingPlan(warmup=1, repeats=25, flush_l2=False, min_repeats=5, budget_ms=150.0)
 
 
 class Timer:
@@ -62,15 +69,19 @@ class Timer:
         return 1e3 * (time.perf_counter() - begin)
 
     def median(self, fn: Callable[[], object], warmup: int | None = None, repeats: int | None = None) -> tuple[float, int]:
-        """(median ms, samples) after warm-up."""
-        for _ in range(self.plan.warmup if warmup is None else warmup):
-            fn()
-        samples = [self.once(fn) for _ in range(self.plan.repeats if repeats is None else repeats)]
+        """(median ms, samples) after warm-up; the sample count follows the plan's budget."""
+        warm = [self.once(fn) for _ in range(self.plan.warmup if warmup is None else warmup)]
+        if repeats is None:
+            repeats = self.plan.repeats
+            if warm and self.plan.budget_ms != float("inf"):
+                affordable = int(self.plan.budget_ms / max(min(warm), 1e-3))
+                repeats = max(self.plan.min_repeats, min(repeats, affordable))
+        samples = [self.once(fn) for _ in range(repeats)]
         return statistics.median(samples), len(samples)
 
     def interleaved(self, fns: Sequence[Callable[[], object]], rounds: int | None = None) -> list[tuple[float, int]]:
         """(median ms, samples) of each callable, timed round-robin."""
-        rounds = rounds or self.plan.repeats
+        rounds = rounds or self.plan.min_repeats * 2
         samples: list[list[float]] = [[] for _ in fns]
         for _ in range(rounds):
             for i, fn in enumerate(fns):

@@ -80,7 +80,10 @@ def test_entries_round_trip_through_a_fresh_cache_on_the_same_path(cache_path):
 @pytest.mark.parametrize("winner_first", [True, False], ids=["winner-writes-first", "winner-writes-last"])
 @pytest.mark.parametrize(
     "winner, loser",
-    [(entry(5, 100.0, tag="win"), entry(3, 200.0, tag="lose")), (entry(4, 200.0, tag="win"), entry(4, 100.0, tag="lose"))],
+    [
+        (entry(5, 100.0, tag="win"), entry(3, 200.0, tag="lose")),
+        (entry(4, 200.0, tag="win"), entry(4, 100.0, tag="lose")),
+    ],
     ids=["more-evidence-beats-later-update", "evidence-tie-goes-to-later-update"],
 )
 def test_merge_keeps_more_evidence_then_later_update(cache_path, winner, loser, winner_first):
@@ -235,7 +238,7 @@ def test_malformed_entries_are_dropped_with_a_warning_and_the_rest_kept(cache_pa
     cache = TuneCache(cache_path)
     assert cache.items() == [("ns", "good", good)]
     messages = warnings_of(caplog)
-    assert len(messages) == 1 and "dropped 5" in messages[0], messages
+    assert len(messages) == 1 and "dropped 5" in messages[0] and str(cache_path) in messages[0], messages
     assert not list(cache_path.parent.glob("*.corrupt-*"))  # the file as a whole was usable
 
 
@@ -350,7 +353,8 @@ def test_sigterm_flushes_entries_then_the_process_dies_as_before(cache_path, mod
 @pytest.mark.parametrize("mode, flushed", [("default", 5), ("thread", 5), ("no-hooks", 1)])
 def test_normal_exit_flushes_entries_through_atexit(cache_path, mode, flushed):
     cache_path.parent.mkdir(parents=True)
-    result = subprocess.run(python(EXITING, str(cache_path), mode), capture_output=True, text=True, timeout=60)
+    argv = python(EXITING, str(cache_path), mode)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert set(read_file(cache_path)["ns"]) == {f"k{i}" for i in range(flushed)}
     assert ("main thread" in result.stderr) == (mode == "thread")
