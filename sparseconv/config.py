@@ -47,3 +47,8 @@ def cache_dir() -> Path:
 
 def autotune_log() -> bool:
     return os.environ.get("SPARSECONV_AUTOTUNE_LOG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_interpret() -> bool:
+    """Triton's own TRITON_INTERPRET=1: its kernels then run on the CPU (slowly), as CI does."""
+    return os.environ.get("TRITON_INTERPRET", "").strip() in ("1", "true", "True")

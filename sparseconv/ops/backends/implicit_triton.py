@@ -1,0 +1,114 @@
+"""implicit_gemm (forward, dgrad) and splitk_wgrad (wgrad): pair-stationary fused Triton kernels.
+
+implicit_gemm: one launch over (offset, block of pairs, column block); each program gathers
+its pairs' rows, multiplies by W_k (W_kᵀ for dgrad, read through strides) and atomically adds
+into an fp32 output, so the gather and the scatter never touch memory as separate passes.
+splitk_wgrad: dW_k = A[in_k]ᵀ · B[out_k], the pairs of each offset split ``split`` ways so
+that the long reductions of large scenes fill the GPU; the splits meet through fp32 atomics.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import torch
+
+from ...coords.kernel_map import KernelMap
+from ..problem import ConvProblem
+from . import triton_kernels as tk
+from .registry import Backend, register
+
+
+def _max_pairs(kernel_map: KernelMap) -> int:
+    return max(kernel_map.pair_counts, default=0)
+
+
+def run_gemm(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
+    kernels = tk.kernels()
+    a, w = a.contiguous(), b.contiguous()
+    c_in, c_out = w.shape[1], w.shape[2]
+    in_idx, out_idx, offset_ptr = kernel_map.pairs
+    if namespace == "AB_gather_scatter":
+        gather, scatter, rows, reduce_dim, out_dim, strides = in_idx, out_idx, kernel_map.num_out, c_in, c_out, (c_in * c_out, c_out, 1)
+    else:
+        gather, scatter, rows, reduce_dim, out_dim, strides = out_idx, in_idx, kernel_map.num_in, c_out, c_in, (c_in * c_out, 1, c_out)
+    out = torch.zeros((rows, out_dim), dtype=torch.float32, device=a.device)
+    longest = _max_pairs(kernel_map)
+    if longest and out_dim:
+        bp, bn, bk = int(params["block_p"]), int(params["block_n"]), int(params["block_k"])
+        grid = (kernel_map.kernel_volume, kernels.triton.cdiv(longest, bp), kernels.triton.cdiv(out_dim, bn))
+        kernels.pairs_gemm[grid](
+            a, w, gather, scatter, offset_ptr, out, reduce_dim, out_dim, *strides,
+            BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk, PRECISION=tk.precision(a.dtype), **tk.launch_options(params),
+        )
+    return out.to(a.dtype)
+
+
+def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
+    kernels = tk.kernels()
+    a, b = a.contiguous(), b.contiguous()
+    c_in, c_out = a.shape[1], b.shape[1]
+    in_idx, out_idx, offset_ptr = kernel_map.pairs
+    split = int(params["split"])
+    dw = torch.zeros((kernel_map.kernel_volume, c_in, c_out), dtype=torch.float32, device=a.device)
+    if kernel_map.num_pairs and c_in and c_out:
+        bp, bm, bn = int(params["block_p"]), int(params["block_m"]), int(params["block_n"])
+        tiles = kernels.triton.cdiv(c_in, bm) * kernels.triton.cdiv(c_out, bn)
+        kernels.pairs_wgrad[(kernel_map.kernel_volume, tiles, split)](
+            a, b, in_idx, out_idx, offset_ptr, dw, c_in, c_out, split,
+            BLOCK_P=bp, BLOCK_M=bm, BLOCK_N=bn, PRECISION=tk.precision(a.dtype), ATOMIC=split > 1,
+            **tk.launch_options(params),
+        )
+    return dw.to(a.dtype)
+
+
+GEMM_SPACE = tuple(
+    {"block_p": p, "block_n": n, "block_k": k, "num_warps": nw, "num_stages": st}
+    for p, n, k, nw, st in [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 32, 32, 4, 2),
+                            (256, 64, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 32, 4, 3), (32, 32, 32, 4, 2)]
+)
+WGRAD_SPACE = tuple(
+    {"block_p": p, "block_m": m, "block_n": n, "split": s, "num_warps": nw, "num_stages": 3}
+    for (p, m, n, nw), s in itertools.product(
+        [(64, 32, 32, 4), (64, 64, 64, 4), (128, 64, 64, 8), (32, 128, 128, 8)], [1, 4, 16, 64])
+)
+
+
+def gemm_pool(problem: ConvProblem, level: str) -> list[Mapping]:
+    wide = max(problem.in_channels, problem.out_channels) > 64
+    return tk.pool_on(problem, level, GEMM_SPACE, [GEMM_SPACE[2] if wide else GEMM_SPACE[0], GEMM_SPACE[1]])
+
+
+def wgrad_pool(problem: ConvProblem, level: str) -> list[Mapping]:
+    # Few pairs per offset want few splits; a large scene needs many to fill 132 SMs.
+    pairs_per_offset = max(problem.num_in, problem.num_out)
+    split = 64 if pairs_per_offset > 200_000 else 16 if pairs_per_offset > 20_000 else 4
+    tile = 2 if max(problem.in_channels, problem.out_channels) > 64 else 1
+    auto = [WGRAD_SPACE[tile * 4 + [1, 4, 16, 64].index(split)], WGRAD_SPACE[tile * 4 + 1]]
+    return tk.pool_on(problem, level, WGRAD_SPACE, auto)
+
+
+IMPLICIT_GEMM = register(
+    Backend(
+        name="implicit_gemm",
+        ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}),
+        run=run_gemm,
+        params_space=GEMM_SPACE,
+        supports=tk.unsupported,
+        pool=gemm_pool,
+        heuristic=lambda problem: 1.0 if problem.device.type == "cuda" else -5.0,
+    )
+)
+
+SPLITK_WGRAD = register(
+    Backend(
+        name="splitk_wgrad",
+        ops=frozenset({"AtB_gather_gather"}),
+        run=run_wgrad,
+        params_space=WGRAD_SPACE,
+        supports=tk.unsupported,
+        pool=wgrad_pool,
+        heuristic=lambda problem: 2.0 if problem.device.type == "cuda" else -5.0,
+    )
+)

@@ -1,0 +1,163 @@
+"""Triton kernels of the fused backends, defined on first use (importing sparseconv never imports Triton).
+
+Three kernels, each computing one tile of a gather-GEMM(-scatter) with fp32 accumulation:
+
+- ``rows_gemm``: output-stationary. Each program owns BLOCK_M output rows x BLOCK_N columns and
+  loops over the K offsets, gathering its rows' neighbours; no atomics, deterministic. Offsets
+  that no row of the tile uses are skipped, which is why rows are sorted by neighbour mask.
+- ``pairs_gemm``: pair-stationary. Each program takes BLOCK_P (gather, scatter) pairs of one
+  offset, multiplies and atomically adds into an fp32 output.
+- ``pairs_wgrad``: dW_k = A[in_k]^T B[out_k] over the pairs of offset k, split SPLIT ways along
+  the pairs (split-K); splits meet through fp32 atomics.
+
+The weight is addressed through strides, so dgrad reads W_k^T without a copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+
+from ... import config
+
+
+@functools.cache
+def kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rows_gemm(
+        a_ptr, w_ptr, nbr_ptr, rows_ptr, out_ptr,
+        n_rows, reduce_dim, out_dim, num_offsets,
+        stride_wk, stride_wr, stride_wo,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot_ok = slots < n_rows
+        rows = tl.load(rows_ptr + slots, mask=slot_ok, other=0).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < out_dim
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, num_offsets):
+            idx = tl.load(nbr_ptr + rows * num_offsets + k, mask=slot_ok, other=-1)
+            valid = idx >= 0
+            if tl.max(valid.to(tl.int32), axis=0) > 0:
+                src = idx.to(tl.int64) * reduce_dim
+                for c0 in range(0, reduce_dim, BLOCK_K):
+                    ck = c0 + tl.arange(0, BLOCK_K)
+                    ck_ok = ck < reduce_dim
+                    a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=valid[:, None] & ck_ok[None, :], other=0.0)
+                    w = tl.load(
+                        w_ptr + k * stride_wk + ck[:, None] * stride_wr + cols[None, :] * stride_wo,
+                        mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
+                    )
+                    acc += tl.dot(a, w, input_precision=PRECISION)
+        out = out_ptr + rows[:, None] * out_dim + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def pairs_gemm(
+        a_ptr, w_ptr, gather_ptr, scatter_ptr, offset_ptr, out_ptr,
+        reduce_dim, out_dim,
+        stride_wk, stride_wr, stride_wo,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        k = tl.program_id(0)
+        pid_p = tl.program_id(1)
+        pid_n = tl.program_id(2)
+        start = tl.load(offset_ptr + k)
+        end = tl.load(offset_ptr + k + 1)
+        first = start + pid_p * BLOCK_P
+        if first < end:
+            p = first + tl.arange(0, BLOCK_P)
+            p_ok = p < end
+            src = tl.load(gather_ptr + p, mask=p_ok, other=0).to(tl.int64) * reduce_dim
+            dst = tl.load(scatter_ptr + p, mask=p_ok, other=0).to(tl.int64) * out_dim
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < out_dim
+            acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+            for c0 in range(0, reduce_dim, BLOCK_K):
+                ck = c0 + tl.arange(0, BLOCK_K)
+                ck_ok = ck < reduce_dim
+                a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=p_ok[:, None] & ck_ok[None, :], other=0.0)
+                w = tl.load(
+                    w_ptr + k * stride_wk + ck[:, None] * stride_wr + cols[None, :] * stride_wo,
+                    mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
+                )
+                acc += tl.dot(a, w, input_precision=PRECISION)
+            tl.atomic_add(out_ptr + dst[:, None] + cols[None, :], acc, mask=p_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def pairs_wgrad(
+        a_ptr, b_ptr, in_ptr, out_idx_ptr, offset_ptr, dw_ptr,
+        c_in, c_out, split,
+        BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+    ):
+        k = tl.program_id(0)
+        pid_mn = tl.program_id(1)
+        s = tl.program_id(2)
+        tiles_n = tl.cdiv(c_out, BLOCK_N)
+        rm = (pid_mn // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (pid_mn % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm_ok = rm < c_in
+        rn_ok = rn < c_out
+        start = tl.load(offset_ptr + k)
+        end = tl.load(offset_ptr + k + 1)
+        chunk = tl.cdiv(tl.cdiv(end - start, split), BLOCK_P) * BLOCK_P
+        lo = start + s * chunk
+        hi = tl.minimum(lo + chunk, end)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for p0 in range(lo, hi, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            p_ok = p < hi
+            src = tl.load(in_ptr + p, mask=p_ok, other=0).to(tl.int64) * c_in
+            dst = tl.load(out_idx_ptr + p, mask=p_ok, other=0).to(tl.int64) * c_out
+            a = tl.load(a_ptr + src[:, None] + rm[None, :], mask=p_ok[:, None] & rm_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + dst[:, None] + rn[None, :], mask=p_ok[:, None] & rn_ok[None, :], other=0.0)
+            acc += tl.dot(tl.trans(a), b, input_precision=PRECISION)
+        target = dw_ptr + k * c_in * c_out + rm[:, None] * c_out + rn[None, :]
+        if ATOMIC:
+            tl.atomic_add(target, acc, mask=rm_ok[:, None] & rn_ok[None, :])
+        else:
+            tl.store(target, acc, mask=rm_ok[:, None] & rn_ok[None, :])
+
+    return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad)
+
+
+def unsupported(problem) -> str | None:
+    """Why the Triton backends cannot run ``problem``, or None."""
+    if problem.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"Triton kernels take float16, bfloat16 or float32, not {problem.dtype}"
+    if problem.device.type != "cuda" and not config.triton_interpret():
+        return "Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to run them on the CPU)"
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        return f"Triton is not installed ({error})"
+    return None
+
+
+def pool_on(problem, level: str, space: tuple, auto: list) -> list:
+    """On the CPU (the interpreter) Triton candidates are never timed; pins still run them."""
+    if problem.device.type != "cuda":
+        return []
+    return auto if level == "auto" else list(space[: len(space) // 2 + 1] if level == "trimmed" else space)
+
+
+def launch_options(params) -> dict:
+    return {"num_warps": int(params.get("num_warps", 4)), "num_stages": int(params.get("num_stages", 3))}
+
+
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: tf32 for fp32 only where torch allows it, else exact."""
+    if dtype == torch.float32:
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return "ieee" if dtype == torch.float64 else "tf32"
