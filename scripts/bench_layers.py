@@ -1,0 +1,228 @@
+"""Layer benchmark on the GPU: ours (tuned) vs spconv vs spconv-triton vs naive torch, one run.
+
+Workloads: synthetic LiDAR streets at 5 cm (batch 1 and 4) and rooms at 2 cm (batch 2);
+submanifold 3^3 convs, a k=2 s=2 downsampling and its transposed conv, C in {32, 64, 128,
+256}; fp16 and bf16. Times: CUDA events, warm-up, median of --repeats, kernel maps cached
+(ours: the tensor's cache; the anchors: their indice_dict). Map builds are a separate row.
+Also prints each cell's fraction of the measured bf16 matmul peak and of copy bandwidth.
+
+    python scripts/bench_layers.py                       # full grid (several minutes on an H200)
+    python scripts/bench_layers.py --scenes street1 --channels 64 --layers subm3 --dtypes float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from sparseconv import SparseTensor
+from sparseconv.coords import KernelMapKey
+from sparseconv.data import make_scene
+from sparseconv.ops import sparse_conv3d
+
+DEVICE = torch.device("cuda")
+SCENES = {"street1": ("street", 0.05, 1), "street4": ("street", 0.05, 4), "room2": ("room", 0.02, 2)}
+LAYERS = {"subm3": (3, 1, False), "down2": (2, 2, False), "up2": (2, 2, True)}
+
+
+def median_ms(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    if DEVICE.type != "cuda":  # --device cpu: a dry run of the script's logic, not a benchmark
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return 1e3 * (time.perf_counter() - begin) / repeats
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings() -> tuple[float, float]:
+    """(bf16 matmul TFLOP/s, device copy GB/s counting read + write), measured now."""
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ b, 10)
+    src = torch.randn(1 << 28, device=DEVICE)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src), 10)
+    return 2 * 8192**3 / ms / 1e9, 2 * src.numel() * 4 / copy_ms / 1e6
+
+
+def anchor_module(name: str):
+    try:
+        if name == "spconv":
+            import spconv.pytorch as module
+        else:
+            import spconv_triton.pytorch as module
+        return module
+    except Exception as error:  # noqa: BLE001 - reported as n/a
+        return f"n/a ({type(error).__name__})"
+
+
+def anchor_tensor(spc, coords: torch.Tensor, feats: torch.Tensor):
+    shifted = coords.clone()
+    shifted[:, 1:] -= shifted[:, 1:].amin(0)
+    shape = (shifted[:, 1:].amax(0) + 2).tolist()
+    return spc.SparseConvTensor(feats, shifted.int(), shape, int(coords[:, 0].max()) + 1)
+
+
+def naive_conv(feats: torch.Tensor, weight: torch.Tensor, neighbors: torch.Tensor) -> torch.Tensor:
+    """im2col: gather all K neighbours (zero row for -1) and one (N, K*C_in) x (K*C_in, C_out) matmul."""
+    padded = torch.cat([feats, feats.new_zeros(1, feats.shape[1])])
+    cols = padded[neighbors.long().masked_fill(neighbors < 0, feats.shape[0])]
+    return cols.reshape(len(neighbors), -1) @ weight.reshape(-1, weight.shape[2])
+
+
+def time_anchor(spc, layer: str, coords, feats, c: int, dtype, repeats: int) -> tuple[float, float]:
+    kernel, stride, transposed = LAYERS[layer]
+    leaf = feats.clone().requires_grad_()
+    if layer == "subm3":
+        conv = spc.SubMConv3d(c, c, 3, bias=False, indice_key="k").to(DEVICE).to(dtype)
+        x, x_leaf = anchor_tensor(spc, coords, feats), anchor_tensor(spc, coords, leaf)
+    else:
+        down = spc.SparseConv3d(c, c, 2, 2, bias=False, indice_key="d").to(DEVICE).to(dtype)
+        if layer == "down2":
+            conv = down
+            x, x_leaf = anchor_tensor(spc, coords, feats), anchor_tensor(spc, coords, leaf)
+        else:
+            conv = spc.SparseInverseConv3d(c, c, 2, indice_key="d", bias=False).to(DEVICE).to(dtype)
+            with torch.no_grad():
+                x = down(anchor_tensor(spc, coords, feats))
+            coarse_leaf = x.features.clone().requires_grad_()
+            x_leaf = x.replace_feature(coarse_leaf)
+    fwd = median_ms(lambda: conv(x), repeats)
+    fwd_bwd = median_ms(lambda: conv(x_leaf).features.sum().backward(), repeats)
+    return fwd, fwd_bwd
+
+
+def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int, anchors: dict) -> dict:
+    kernel, stride, transposed = LAYERS[layer]
+    coords = scene_tensor.coords
+    feats = torch.randn(len(coords), c, device=DEVICE, dtype=dtype)
+    x = scene_tensor.replace(feats)
+    if transposed:
+        down_weight = torch.randn(8, c, c, device=DEVICE, dtype=dtype) / math.sqrt(8 * c)
+        x = sparse_conv3d(x, down_weight, kernel_size=2, stride=2)
+        x = x.replace(torch.randn(len(x), c, device=DEVICE, dtype=dtype))
+    weight = torch.randn(kernel**3, c, c, device=DEVICE, dtype=dtype) / math.sqrt(kernel**3 * c)
+    leaf_feats = x.feats.clone().requires_grad_()
+    leaf_weight = weight.clone().requires_grad_()
+    args = dict(kernel_size=kernel, stride=stride, transposed=transposed)
+    record: dict[str, str] = {}
+    out = sparse_conv3d(x.replace(leaf_feats), leaf_weight, record=record, **args)  # tunes forward
+    out.feats.sum().backward()  # tunes dgrad and wgrad
+    kernel_map = x.cache.kernel_map(_map_key(x, kernel, stride, transposed))[0]
+    result = {
+        "N": f"{kernel_map.num_in}->{kernel_map.num_out}",
+        "pairs": kernel_map.num_pairs,
+        "ours": median_ms(lambda: sparse_conv3d(x, weight, **args), repeats),
+        "ours+bwd": median_ms(lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **args).feats.sum().backward(), repeats),
+        "chosen": "/".join(record.get(ns, "?").split("[")[0] for ns in ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")),
+    }
+    if not transposed:
+        nbr = kernel_map.neighbors
+        leaf_naive = feats.clone().requires_grad_()
+        result["naive"] = median_ms(lambda: naive_conv(feats, weight, nbr), repeats)
+        result["naive+bwd"] = median_ms(lambda: naive_conv(leaf_naive, leaf_weight, nbr).sum().backward(), repeats)
+    for name, spc in anchors.items():
+        if isinstance(spc, str):
+            result[name] = result[name + "+bwd"] = spc
+            continue
+        try:
+            result[name], result[name + "+bwd"] = time_anchor(spc, layer, coords, feats, c, dtype, repeats)
+        except Exception as error:  # noqa: BLE001 - e.g. no bf16 kernels
+            result[name] = result[name + "+bwd"] = f"n/a ({type(error).__name__})"
+    return result
+
+
+def _map_key(x: SparseTensor, kernel: int, stride: int, transposed: bool) -> KernelMapKey:
+    return KernelMapKey(x.coord_id, (kernel,) * 3, (stride,) * 3, (1, 1, 1), transposed, False)
+
+
+def map_build_ms(coords: torch.Tensor, repeats: int) -> float:
+    def build():
+        x = SparseTensor(coords, torch.zeros(len(coords), 1, device=coords.device), validate=False)
+        x.cache.kernel_map(_map_key(x, 3, 1, False))[0].pairs
+
+    return median_ms(build, repeats)
+
+
+def fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value if value is not None else "-")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenes", nargs="+", default=list(SCENES), choices=list(SCENES))
+    parser.add_argument("--channels", nargs="+", type=int, default=[32, 64, 128, 256])
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the logic (no ceilings, no anchors)")
+    parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
+    peak_tflops, bandwidth_gbs = ceilings() if DEVICE.type == "cuda" else (float("nan"), float("nan"))
+    name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
+    print(f"device: {name}; measured bf16 matmul {peak_tflops:.0f} TFLOP/s, "
+          f"copy {bandwidth_gbs:.0f} GB/s; median of {args.repeats} (ms), kernel maps cached")
+    anchors = {name: anchor_module(name) if DEVICE.type == "cuda" else "n/a (cpu)" for name in ("spconv", "spconv_triton")}
+    header = ["scene", "dtype", "C", "layer", "N", "ours", "spconv", "sp-triton", "naive",
+              "ours+bwd", "spconv+bwd", "sp-triton+bwd", "naive+bwd", "%peak", "%bw", "ours chose (fwd/dgrad/wgrad)"]
+    print(" | ".join(header))
+    ratios: dict[str, list[float]] = {"fwd": [], "fwd+bwd": []}
+    peer_ratios: dict[str, list[float]] = {"fwd": [], "fwd+bwd": []}
+    for scene in args.scenes:
+        kind, voxel, batch = SCENES[scene]
+        coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=args.scale)
+        base = SparseTensor(coords.to(DEVICE), torch.zeros(len(coords), 1, device=DEVICE))
+        map_ms = map_build_ms(base.coords, args.repeats)
+        print(f"{scene}: {len(coords)} voxels; our submanifold 3^3 kernel-map build {map_ms:.3f} ms")
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            for c in args.channels:
+                for layer in args.layers:
+                    r = run_cell(base, layer, c, dtype, args.repeats, anchors)
+                    elt = torch.finfo(dtype).bits // 8
+                    n_in, n_out = (int(v) for v in r["N"].split("->"))
+                    flops = 2 * r["pairs"] * c * c
+                    bytes_min = (n_in + n_out) * c * elt + LAYERS[layer][0] ** 3 * c * c * elt
+                    peak = flops / (r["ours"] * 1e-3) / (peak_tflops * 1e12)
+                    bw = bytes_min / (r["ours"] * 1e-3) / (bandwidth_gbs * 1e9)
+                    print(" | ".join([scene, dtype_name, str(c), layer, r["N"], fmt(r["ours"]), fmt(r["spconv"]),
+                                      fmt(r["spconv_triton"]), fmt(r.get("naive")), fmt(r["ours+bwd"]),
+                                      fmt(r["spconv+bwd"]), fmt(r["spconv_triton+bwd"]), fmt(r.get("naive+bwd")),
+                                      f"{100 * peak:.0f}%", f"{100 * bw:.0f}%", r["chosen"]]), flush=True)
+                    for mode, suffix in (("fwd", ""), ("fwd+bwd", "+bwd")):
+                        peers = [r[p + suffix] for p in ("spconv", "spconv_triton") if isinstance(r[p + suffix], float)]
+                        if isinstance(r["spconv" + suffix], float):
+                            ratios[mode].append(r["spconv" + suffix] / r["ours" + suffix])
+                        if peers:
+                            peer_ratios[mode].append(min(peers) / r["ours" + suffix])
+    for mode in ("fwd", "fwd+bwd"):
+        if ratios[mode]:
+            geo = math.exp(statistics.fmean(math.log(v) for v in ratios[mode]))
+            print(f"{mode}: geometric-mean speed-up over spconv {geo:.2f}x over {len(ratios[mode])} cells")
+        if peer_ratios[mode]:
+            geo = math.exp(statistics.fmean(math.log(v) for v in peer_ratios[mode]))
+            worst = min(peer_ratios[mode])
+            print(f"{mode}: over the faster peer per cell {geo:.2f}x (worst cell {worst:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
