@@ -79,11 +79,13 @@ def anchor_tensor(spc, coords: torch.Tensor, feats: torch.Tensor):
     return spc.SparseConvTensor(feats, shifted.int(), shape, int(coords[:, 0].max()) + 1)
 
 
-def naive_conv(feats: torch.Tensor, weight: torch.Tensor, neighbors: torch.Tensor) -> torch.Tensor:
-    """im2col: gather all K neighbours (zero row for -1) and one (N, K*C_in) x (K*C_in, C_out) matmul."""
-    padded = torch.cat([feats, feats.new_zeros(1, feats.shape[1])])
-    cols = padded[neighbors.long().masked_fill(neighbors < 0, feats.shape[0])]
-    return cols.reshape(len(neighbors), -1) @ weight.reshape(-1, weight.shape[2])
+def naive_conv(feats: torch.Tensor, weight: torch.Tensor, kernel_map) -> torch.Tensor:
+    """The plain torch recipe: per offset, gather rows, matmul, index_add into the output (autograd for backward)."""
+    out = feats.new_zeros(kernel_map.num_out, weight.shape[2])
+    for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
+        if in_idx.numel():
+            out = out.index_add(0, out_idx, feats.index_select(0, in_idx) @ weight[k])
+    return out
 
 
 def time_anchor(spc, layer: str, coords, feats, c: int, dtype, repeats: int) -> tuple[float, float]:
@@ -132,11 +134,8 @@ def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int
         "ours+bwd": median_ms(lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **args).feats.sum().backward(), repeats),
         "chosen": "/".join(record.get(ns, "?").split("[")[0] for ns in ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")),
     }
-    if not transposed:
-        nbr = kernel_map.neighbors
-        leaf_naive = feats.clone().requires_grad_()
-        result["naive"] = median_ms(lambda: naive_conv(feats, weight, nbr), repeats)
-        result["naive+bwd"] = median_ms(lambda: naive_conv(leaf_naive, leaf_weight, nbr).sum().backward(), repeats)
+    result["naive"] = median_ms(lambda: naive_conv(x.feats, weight, kernel_map), repeats)
+    result["naive+bwd"] = median_ms(lambda: naive_conv(leaf_feats, leaf_weight, kernel_map).sum().backward(), repeats)
     for name, spc in anchors.items():
         if isinstance(spc, str):
             result[name] = result[name + "+bwd"] = spc
@@ -160,6 +159,23 @@ def map_build_ms(coords: torch.Tensor, repeats: int) -> float:
     return median_ms(build, repeats)
 
 
+def profile_cell(args) -> None:
+    """Where one forward+backward spends its time (street1, first channel count and dtype)."""
+    kind, voxel, batch = SCENES[args.scenes[0]]
+    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=args.scale)
+    c, dtype = args.channels[0], getattr(torch, args.dtypes[0])
+    x = SparseTensor(coords.to(DEVICE), torch.randn(len(coords), c, device=DEVICE, dtype=dtype).requires_grad_())
+    weight = torch.randn(27, c, c, device=DEVICE, dtype=dtype, requires_grad=True)
+    for _ in range(3):
+        sparse_conv3d(x, weight).feats.sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            sparse_conv3d(x, weight).feats.sum().backward()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=40))
+
+
 def fmt(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value if value is not None else "-")
 
@@ -173,6 +189,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the logic (no ceilings, no anchors)")
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
+    parser.add_argument("--profile", action="store_true", help="profile one cell's forward+backward (torch.profiler) first")
     args = parser.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -181,6 +198,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
     print(f"device: {name}; measured bf16 matmul {peak_tflops:.0f} TFLOP/s, "
           f"copy {bandwidth_gbs:.0f} GB/s; median of {args.repeats} (ms), kernel maps cached")
+    if args.profile:
+        profile_cell(args)
     anchors = {name: anchor_module(name) if DEVICE.type == "cuda" else "n/a (cpu)" for name in ("spconv", "spconv_triton")}
     header = ["scene", "dtype", "C", "layer", "N", "ours", "spconv", "sp-triton", "naive",
               "ours+bwd", "spconv+bwd", "sp-triton+bwd", "naive+bwd", "%peak", "%bw", "ours chose (fwd/dgrad/wgrad)"]

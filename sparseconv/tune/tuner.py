@@ -99,7 +99,9 @@ class Tuner:
             candidate = candidate_pool(namespace, problem, mode, "quick")[0]
         else:
             effort = config.autotune_effort()
-            key = make_key(namespace, problem, kernel_map)
+            # The key is a function of the map and the problem: keep it with the map, so the hot
+            # path (every conv call) hashes it instead of rebuilding it.
+            key = kernel_map.derived(("tune_key", namespace, problem), lambda m: make_key(namespace, problem, m))
             memo = (key, mode.level, mode.names, effort)
             candidate = self._choices.get(memo)
             if candidate is None:

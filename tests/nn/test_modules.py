@@ -56,10 +56,11 @@ def test_encoder_decoder_round_trip_trains(device):
         SparseConvTranspose3d(16, 8, 2, stride=2), Features(torch.nn.Dropout(0.0)),
         SparseConv3d(8, 2, 1),
     ).to(device)
-    target = torch.randn(len(x), 2, device=device)
-    optimiser = torch.optim.SGD(net.parameters(), lr=0.05)
+    # A target the network can represent (a linear map of the inputs), so the loss must fall.
+    target = x.feats @ torch.randn(4, 2, device=device)
+    optimiser = torch.optim.Adam(net.parameters(), lr=0.01)
     losses = []
-    for _ in range(15):
+    for _ in range(30):
         optimiser.zero_grad()
         y = net(x)
         loss = torch.nn.functional.mse_loss(y.feats, target)
@@ -67,7 +68,7 @@ def test_encoder_decoder_round_trip_trains(device):
         optimiser.step()
         losses.append(loss.item())
     assert torch.equal(y.coords, x.coords) and y.stride == (1, 1, 1)
-    assert losses[-1] < 0.95 * losses[0]
+    assert losses[-1] < 0.7 * losses[0]
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())
 
 

@@ -23,4 +23,6 @@ def test_gradcheck(mode, device):
         return sparse_conv3d(x.replace(f), w, b, conv.kernel_size, conv.stride, conv.dilation,
                              conv.transposed, conv.generative).feats
 
-    assert torch.autograd.gradcheck(fn, (feats, weight, bias), fast_mode=conv.weight.shape[0] > 27)
+    # index_add_ on CUDA accumulates with atomics, so repeated backwards differ in the last bits.
+    nondet_tol = 1e-10 if device == "cuda" else 0.0
+    assert torch.autograd.gradcheck(fn, (feats, weight, bias), fast_mode=conv.weight.shape[0] > 27, nondet_tol=nondet_tol)
