@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from anchors import anchor_tensor, import_anchor
+
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.coords.hashing import pack_coords
@@ -67,26 +69,6 @@ def naive_conv(feats: torch.Tensor, weight: torch.Tensor, neighbors: torch.Tenso
     padded = torch.cat([feats, feats.new_zeros(1, feats.shape[1])])
     cols = padded[neighbors.where(neighbors >= 0, feats.shape[0])]
     return cols.reshape(len(neighbors), -1) @ weight.reshape(-1, weight.shape[2])
-
-
-# --- spconv and spconv-triton (same API) ----------------------------------------------------
-
-def import_anchor(name: str):
-    try:
-        if name == "spconv":
-            import spconv.pytorch as module
-        else:
-            import spconv_triton.pytorch as module
-        return module
-    except Exception as error:  # noqa: BLE001 - an anchor that does not import is reported as n/a
-        return f"n/a ({type(error).__name__})"
-
-
-def anchor_tensor(spc, coords: torch.Tensor, feats: torch.Tensor):
-    shifted = coords.clone()
-    shifted[:, 1:] -= shifted[:, 1:].amin(0)
-    shape = (shifted[:, 1:].amax(0) + 1).tolist()
-    return spc.SparseConvTensor(feats, shifted.int(), shape, int(coords[:, 0].max()) + 1)
 
 
 def time_anchor(spc, coords, feats, leaf_feats, channels, device, dtype, repeats) -> dict[str, str]:

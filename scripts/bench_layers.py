@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from anchors import anchor_tensor, import_anchor
+
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.data import make_scene
@@ -59,24 +61,6 @@ def ceilings() -> tuple[float, float]:
     dst = torch.empty_like(src)
     copy_ms = median_ms(lambda: dst.copy_(src), 10)
     return 2 * 8192**3 / ms / 1e9, 2 * src.numel() * 4 / copy_ms / 1e6
-
-
-def anchor_module(name: str):
-    try:
-        if name == "spconv":
-            import spconv.pytorch as module
-        else:
-            import spconv_triton.pytorch as module
-        return module
-    except Exception as error:  # noqa: BLE001 - reported as n/a
-        return f"n/a ({type(error).__name__})"
-
-
-def anchor_tensor(spc, coords: torch.Tensor, feats: torch.Tensor):
-    shifted = coords.clone()
-    shifted[:, 1:] -= shifted[:, 1:].amin(0)
-    shape = (shifted[:, 1:].amax(0) + 2).tolist()
-    return spc.SparseConvTensor(feats, shifted.int(), shape, int(coords[:, 0].max()) + 1)
 
 
 def naive_conv(feats: torch.Tensor, weight: torch.Tensor, kernel_map) -> torch.Tensor:
@@ -200,7 +184,7 @@ def main() -> None:
           f"copy {bandwidth_gbs:.0f} GB/s; median of {args.repeats} (ms), kernel maps cached")
     if args.profile:
         profile_cell(args)
-    anchors = {name: anchor_module(name) if DEVICE.type == "cuda" else "n/a (cpu)" for name in ("spconv", "spconv_triton")}
+    anchors = {name: import_anchor(name) if DEVICE.type == "cuda" else "n/a (cpu)" for name in ("spconv", "spconv_triton")}
     header = ["scene", "dtype", "C", "layer", "N", "ours", "spconv", "sp-triton", "naive",
               "ours+bwd", "spconv+bwd", "sp-triton+bwd", "naive+bwd", "%peak", "%bw", "ours chose (fwd/dgrad/wgrad)"]
     print(" | ".join(header))
