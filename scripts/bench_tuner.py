@@ -79,7 +79,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
-    register(Backend("naive_im2col", frozenset(NAMESPACES), naive_run))
+    # Pin-only: an empty pool keeps the baseline out of the tuned column's candidates.
+    register(Backend("naive_im2col", frozenset(NAMESPACES), naive_run, pool=lambda problem, level: []))
 
     coords, feats = make_scene(args.scene, batch_size=1, scale=args.scale)
     x = SparseTensor(coords.to(device), feats.to(device))
