@@ -4,9 +4,9 @@ Importing it starts no thread, reads no file and touches no GPU; Warp starts on 
 kernel-map build.
 """
 
-from . import nn, ops
+from . import models, nn, ops
 from .ops import sparse_conv3d
 from .tensor import SparseTensor
 
 __version__ = "0.1.0"
-__all__ = ["SparseTensor", "nn", "ops", "sparse_conv3d"]
+__all__ = ["SparseTensor", "models", "nn", "ops", "sparse_conv3d"]

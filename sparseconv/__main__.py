@@ -9,13 +9,15 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparseconv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run a small encoder-decoder on a synthetic scene and print timings")
+    demo = commands.add_parser("demo", help="train a small MinkUNet to segment synthetic scenes; print loss, mIoU and the tuned algorithms")
     demo.add_argument("--scene", choices=("street", "room"), default="street")
     demo.add_argument("--batch-size", type=int, default=2)
-    demo.add_argument("--scale", type=float, default=1.0, help="multiplies the number of points of the scene")
+    demo.add_argument("--scale", type=float, default=None, help="multiplies the points per scene (default 1)")
     demo.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    demo.add_argument("--width", type=int, default=32, help="channels of the first stage")
-    demo.add_argument("--iterations", type=int, default=3)
+    demo.add_argument("--width", type=int, default=None, help="channels of the stem (default 8)")
+    demo.add_argument("--steps", "--iterations", dest="steps", type=int, default=None, help="training steps (default 200)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--plot", default=None, metavar="FILE.png", help="save a bird's-eye picture (needs matplotlib)")
     from .tune import cli as cache_cli
 
     cache_cli.add_parser(commands)
@@ -25,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .demo import format_report, run_demo
 
-    report = run_demo(args.scene, args.batch_size, args.scale, args.device, args.width, args.iterations)
+    report = run_demo(args.scene, args.batch_size, args.scale, args.device, args.width, args.steps,
+                      seed=args.seed, plot=args.plot)
     print(format_report(report))
     return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -78,11 +77,11 @@ class SparseTensor:
     def __len__(self) -> int:
         return self.feats.shape[0]
 
-    @functools.cached_property
+    @property
     def batch_size(self) -> int:
-        """1 + the largest batch index (0 for an empty tensor)."""
-        coords = self.coords
-        return int(coords[:, 0].max().item()) + 1 if coords.shape[0] else 0
+        """1 + the largest batch index of the batch (0 for an empty tensor); shared by every
+        tensor derived from the same input, so it costs one host sync per batch."""
+        return self.cache.batch_size
 
     def replace(self, feats: torch.Tensor) -> SparseTensor:
         """Same coordinates and cache, new features: feats (N, C') floating on the same device."""

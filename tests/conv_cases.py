@@ -35,8 +35,12 @@ MODES = [
     Mode("strided_k3_s2", 3, stride=2),
     Mode("strided_k3_s2_from_stride2", 3, stride=2, input_stride=2),
     Mode("strided_anisotropic", (3, 1, 2), stride=(2, 1, 2)),
+    # Detection backbones' height reduction (spconv writes it (3, 1, 1) / (2, 1, 1) in z, y, x order).
+    Mode("strided_k311_s211", (3, 1, 1), stride=(2, 1, 1)),
+    Mode("submanifold_k113", (1, 1, 3)),
     Mode("transposed_k2_s2", 2, stride=2, transposed=True),
     Mode("transposed_k3_s2", 3, stride=2, transposed=True),
+    Mode("transposed_anisotropic", (3, 1, 2), stride=(2, 1, 2), transposed=True),
     Mode("generative_transposed_k2_s2", 2, stride=2, transposed=True, generative=True),
     Mode("generative_transposed_k3_s1", 3, transposed=True, generative=True),
     Mode("generative_k3_s1", 3, generative=True),

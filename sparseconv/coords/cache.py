@@ -9,6 +9,7 @@ beside the canonical ones and never replace them.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -46,6 +47,14 @@ class CoordinateCache:
         if canonical:
             self._canonical[stride] = set_id
         return set_id
+
+    @functools.cached_property
+    def batch_size(self) -> int:
+        """1 + the largest batch index (0 when empty); every set of a cache has the same batches."""
+        # Strided, transposed and generated sets all keep their source's batch indices, so one
+        # host sync per batch serves every layer (per-sample norms and pooling need it).
+        coords = self._sets[0].coords if self._sets else None
+        return int(coords[:, 0].max().item()) + 1 if coords is not None and coords.shape[0] else 0
 
     def coord_set(self, set_id: int) -> CoordSet:
         return self._sets[set_id]

@@ -9,7 +9,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["lidar_street", "furnished_room", "voxelize", "make_scene"]
+__all__ = ["CLASS_NAMES", "ROOM_CLASSES", "STREET_CLASSES", "furnished_room", "lidar_street", "make_scene", "voxelize"]
+
+# Semantic labels. Street: the label is _cast's surface id (trees are modelled by their trunks,
+# which are cylinders like poles). Room: rectangles are floor, ceiling, 4 walls, then furniture.
+STREET_CLASSES = ("ground", "building", "vehicle", "pole/tree")
+ROOM_CLASSES = ("floor", "wall", "furniture", "ceiling")
+CLASS_NAMES = {"street": STREET_CLASSES, "room": ROOM_CLASSES}
+_ROOM_LABEL = {"floor": 0, "wall": 1, "furniture": 2, "ceiling": 3}
 
 _SENSOR_HEIGHT = 1.8
 _RANGE_NOISE_STD = 0.02
@@ -164,9 +171,10 @@ def _cast(layout: _StreetLayout, d: np.ndarray) -> tuple[np.ndarray, np.ndarray,
 
 
 def lidar_street(
-    num_beams: int = 32, points_per_beam: int = 1024, max_range: float = 60.0, seed: int = 0
-) -> np.ndarray:
-    """Ray-cast spinning-LiDAR sweep of a random street; returns (P, 4) float32 [x, y, z, intensity in [0, 1]]."""
+    num_beams: int = 32, points_per_beam: int = 1024, max_range: float = 60.0, seed: int = 0, with_labels: bool = False
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Ray-cast spinning-LiDAR sweep of a random street: (P, 4) float32 [x, y, z, intensity in [0, 1]],
+    and with_labels the (P,) int64 class of each point (an index into STREET_CLASSES)."""
     num_beams = _check_int("num_beams", num_beams, 1)
     points_per_beam = _check_int("points_per_beam", points_per_beam, 1)
     max_range = _check_positive("max_range", max_range)
@@ -184,17 +192,19 @@ def lidar_street(
     # Lambertian-ish return: material reflectivity times incidence, with a mild range falloff.
     intensity = _REFLECTIVITY[surface] * (0.25 + 0.75 * cos) * (1.0 - 0.3 * t / max_range)
     intensity = np.clip(intensity + rng.normal(0.0, 0.02, size=len(t)), 0.0, 1.0)
-    return np.concatenate([xyz, intensity[:, None]], 1).astype(np.float32)
+    points = np.concatenate([xyz, intensity[:, None]], 1).astype(np.float32)
+    return (points, surface.astype(np.int64)) if with_labels else points
 
 
 def _room_rectangles(size: tuple[float, float, float], rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-    """Room surface rectangles: (Q, 3) corners, (Q, 3) edge u, (Q, 3) edge v, (Q,) grey level."""
+    """Room surface rectangles: (Q, 3) corners, (Q, 3) edge u, (Q, 3) edge v, (Q,) grey level, (Q,) class."""
     lx, ly, lz = size
     e = np.eye(3)
     corners = [np.zeros(3), [0, 0, lz], np.zeros(3), [lx, 0, 0], np.zeros(3), [0, ly, 0]]
     us = [lx * e[0], lx * e[0], ly * e[1], ly * e[1], lx * e[0], lx * e[0]]
     vs = [ly * e[1], ly * e[1], lz * e[2], lz * e[2], lz * e[2], lz * e[2]]
     grey = [rng.uniform(0.3, 0.5), 0.9, *([rng.uniform(0.6, 0.85)] * 4)]  # floor, ceiling, walls
+    label = [_ROOM_LABEL["floor"], _ROOM_LABEL["ceiling"], *([_ROOM_LABEL["wall"]] * 4)]
     # Nominal furniture sizes, shrunk to fit small rooms: table, bed, two cabinets, shelf.
     nominal = np.array([[1.6, 0.9, 0.75], [2.0, 1.6, 0.5], [0.6, 0.5, 1.8], [1.0, 0.5, 0.9], [0.4, 1.2, 2.0]])
     for dims in np.minimum(nominal, 0.45 * np.array(size)):
@@ -207,31 +217,43 @@ def _room_rectangles(size: tuple[float, float, float], rng: np.random.Generator)
         us += [dx, dx, dy, dy, dx]
         vs += [dy, dz, dz, dz, dz]
         grey += [g] * 5
-    return np.array(corners, float), np.array(us), np.array(vs), np.array(grey)
+        label += [_ROOM_LABEL["furniture"]] * 5
+    return np.array(corners, float), np.array(us), np.array(vs), np.array(grey), np.array(label, np.int64)
 
 
 def furnished_room(
-    num_points: int = 100_000, size: tuple[float, float, float] = (6.0, 5.0, 3.0), seed: int = 0
-) -> np.ndarray:
-    """Points on the surfaces of a furnished box room; returns (P, 4) float32 [x, y, z, grey in [0, 1]]."""
+    num_points: int = 100_000,
+    size: tuple[float, float, float] = (6.0, 5.0, 3.0),
+    seed: int = 0,
+    with_labels: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Points on the surfaces of a furnished box room: (P, 4) float32 [x, y, z, grey in [0, 1]],
+    and with_labels the (P,) int64 class of each point (an index into ROOM_CLASSES)."""
     num_points = _check_int("num_points", num_points, 0)
     if not isinstance(size, (tuple, list, np.ndarray)) or len(size) != 3:
         raise ValueError(f"size must be three positive numbers (x, y, z), got {size!r}")
     size = tuple(_check_positive("size", s) for s in size)
     seed = _check_int("seed", seed, 0)
     rng = np.random.default_rng(seed)
-    corners, us, vs, grey = _room_rectangles(size, rng)
+    corners, us, vs, grey, label = _room_rectangles(size, rng)
     area = np.linalg.norm(np.cross(us, vs), axis=1)
     idx = np.repeat(np.arange(len(area)), rng.multinomial(num_points, area / area.sum()))
     ab = rng.random((num_points, 2))
     xyz = corners[idx] + ab[:, :1] * us[idx] + ab[:, 1:] * vs[idx]
     xyz += rng.normal(0.0, 0.003, size=xyz.shape)  # depth-sensor noise
     colour = np.clip(grey[idx] + rng.normal(0.0, 0.03, size=num_points), 0.0, 1.0)
-    return np.concatenate([xyz, colour[:, None]], 1).astype(np.float32)
+    points = np.concatenate([xyz, colour[:, None]], 1).astype(np.float32)
+    return (points, label[idx]) if with_labels else points
 
 
-def voxelize(points: np.ndarray, voxel_size: float, batch_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, D>=3) points -> unique coords (N, 4) int32 [b,x,y,z], feats (N, D) float32 mean [offset in [0,1), cols 3:]"""
+def voxelize(
+    points: np.ndarray, voxel_size: float, batch_index: int = 0, labels: np.ndarray | None = None
+) -> tuple[torch.Tensor, ...]:
+    """(P, D>=3) points -> unique coords (N, 4) int32 [b,x,y,z], feats (N, D) float32 mean [offset in [0,1), cols 3:]
+
+    labels: (P,) non-negative ints -> also (N,) int64, each voxel's most frequent point label
+    (ties go to the smallest label).
+    """
     if not isinstance(points, np.ndarray) or points.ndim != 2 or points.shape[1] < 3:
         raise ValueError(f"points must be a (P, >=3) numpy array, got {getattr(points, 'shape', type(points))}")
     if not np.issubdtype(points.dtype, np.floating):
@@ -240,6 +262,13 @@ def voxelize(points: np.ndarray, voxel_size: float, batch_index: int = 0) -> tup
         raise ValueError("points must be finite (found NaN or inf)")
     voxel_size = _check_positive("voxel_size", voxel_size)
     batch_index = _check_int("batch_index", batch_index, 0)
+    if labels is not None:
+        labels = np.asarray(labels)
+        if labels.shape != (len(points),) or not np.issubdtype(labels.dtype, np.integer) or (labels < 0).any():
+            raise ValueError(
+                f"labels must be ({len(points)},) non-negative integers (one per point), got "
+                f"shape {labels.shape} dtype {labels.dtype}"
+            )
     if batch_index > np.iinfo(np.int32).max:
         raise ValueError(f"batch_index must fit in int32, got {batch_index}")
 
@@ -269,27 +298,39 @@ def voxelize(points: np.ndarray, voxel_size: float, batch_index: int = 0) -> tup
     # q - floor(q) can round up to exactly 1.0 for tiny negative q; keep the documented half-open range.
     np.minimum(feats[:, :3], np.nextafter(np.float32(1), np.float32(0)), out=feats[:, :3])
     coords = np.concatenate([np.full((n, 1), batch_index, np.int64), uniq], 1).astype(np.int32)
-    return torch.from_numpy(np.ascontiguousarray(coords)), torch.from_numpy(np.ascontiguousarray(feats))
+    result = (torch.from_numpy(np.ascontiguousarray(coords)), torch.from_numpy(np.ascontiguousarray(feats)))
+    return result if labels is None else (*result, torch.from_numpy(_majority(inverse, labels, n)))
+
+
+def _majority(inverse: np.ndarray, labels: np.ndarray, n: int) -> np.ndarray:
+    """(N,) int64 most frequent label per voxel; argmax picks the smallest label on a tie."""
+    num_labels = int(labels.max()) + 1 if len(labels) else 1
+    votes = np.bincount(inverse * num_labels + labels, minlength=n * num_labels).reshape(n, num_labels)
+    return votes.argmax(1).astype(np.int64)
 
 
 def make_scene(
-    kind: str = "street", voxel_size: float | None = None, batch_size: int = 1, seed: int = 0, scale: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch of voxelised scenes (seeds seed, seed+1, ...): coords (N, 4) int32 [b, x, y, z], feats (N, 4) float32."""
+    kind: str = "street",
+    voxel_size: float | None = None,
+    batch_size: int = 1,
+    seed: int = 0,
+    scale: float = 1.0,
+    with_labels: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Batch of voxelised scenes (seeds seed, seed+1, ...): coords (N, 4) int32 [b, x, y, z], feats (N, 4) float32,
+    and with_labels (N,) int64 voxel classes (majority of the points; names in CLASS_NAMES[kind])."""
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {list(_KINDS)}, got {kind!r}")
     voxel_size = _DEFAULT_VOXEL_SIZE[kind] if voxel_size is None else _check_positive("voxel_size", voxel_size)
     batch_size = _check_int("batch_size", batch_size, 1)
     seed = _check_int("seed", seed, 0)
     scale = _check_positive("scale", scale)
-    coords, feats = [], []
+    parts = []
     for b in range(batch_size):
         if kind == "street":
             ppb = max(1, round(_BASE_STREET["points_per_beam"] * scale))
-            pts = lidar_street(_BASE_STREET["num_beams"], ppb, seed=seed + b)
+            pts, labels = lidar_street(_BASE_STREET["num_beams"], ppb, seed=seed + b, with_labels=True)
         else:
-            pts = furnished_room(max(1, round(_BASE_ROOM_POINTS * scale)), seed=seed + b)
-        c, f = voxelize(pts, voxel_size, batch_index=b)
-        coords.append(c)
-        feats.append(f)
-    return torch.cat(coords), torch.cat(feats)
+            pts, labels = furnished_room(max(1, round(_BASE_ROOM_POINTS * scale)), seed=seed + b, with_labels=True)
+        parts.append(voxelize(pts, voxel_size, batch_index=b, labels=labels if with_labels else None))
+    return tuple(torch.cat(column) for column in zip(*parts))

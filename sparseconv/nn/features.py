@@ -1,34 +1,81 @@
-"""Modules that act on features alone and keep the coordinates: activations, norms, any torch module."""
+"""Modules that act on the features alone and keep the coordinates: any torch module, activations,
+dropout and per-voxel linear layers."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..tensor import SparseTensor
 
 
+def features_of(input: SparseTensor, module: nn.Module) -> torch.Tensor:
+    """input.feats (N, C), or a TypeError naming the module when ``input`` is not a SparseTensor."""
+    if not isinstance(input, SparseTensor):
+        raise TypeError(f"{type(module).__name__} takes a SparseTensor, got {type(input).__name__}")
+    return input.feats
+
+
+class OnFeatures:
+    """Mixin for a torch module class: its forward runs on the (N, C) features of a SparseTensor.
+
+    ``class ReLU(OnFeatures, nn.ReLU)`` keeps torch's arguments, parameters, state-dict keys and
+    repr, so weights move between a dense model and a sparse one unchanged.
+    """
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        feats = features_of(input, self)
+        return input.replace(super().forward(feats))
+
+
 class Features(nn.Module):
-    """Apply any torch module to the (N, C) features of a SparseTensor, keeping its coordinates."""
+    """Apply any torch module to the (N, C) features of a SparseTensor, keeping its coordinates.
+
+    The module must map (N, C) to (N, C') row by row (activations, dropout, linear layers, MLPs).
+    """
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
 
     def forward(self, input: SparseTensor) -> SparseTensor:
-        return input.replace(self.module(input.feats))
+        feats = features_of(input, self)
+        return input.replace(self.module(feats))
 
 
-class ReLU(Features):
-    def __init__(self, inplace: bool = False) -> None:
-        super().__init__(nn.ReLU(inplace=inplace))
+class Linear(OnFeatures, nn.Linear):
+    """nn.Linear on every voxel's features: (N, in_features) -> (N, out_features); a 1x1x1 conv."""
 
 
-class BatchNorm(nn.BatchNorm1d):
-    """BatchNorm over the features of all voxels of the batch: feats (N, C)."""
-
-    def forward(self, input: SparseTensor) -> SparseTensor:
-        return input.replace(super().forward(input.feats))
+class Dropout(OnFeatures, nn.Dropout):
+    """nn.Dropout on the features (every feature of every voxel independently)."""
 
 
-class Sequential(nn.Sequential):
-    """nn.Sequential of modules that take and return SparseTensors."""
+class ReLU(OnFeatures, nn.ReLU):
+    """nn.ReLU on the features."""
+
+
+class LeakyReLU(OnFeatures, nn.LeakyReLU):
+    """nn.LeakyReLU on the features."""
+
+
+class ELU(OnFeatures, nn.ELU):
+    """nn.ELU on the features."""
+
+
+class GELU(OnFeatures, nn.GELU):
+    """nn.GELU on the features."""
+
+
+class SiLU(OnFeatures, nn.SiLU):
+    """nn.SiLU (swish) on the features."""
+
+
+class Sigmoid(OnFeatures, nn.Sigmoid):
+    """nn.Sigmoid on the features."""
+
+
+class Tanh(OnFeatures, nn.Tanh):
+    """nn.Tanh on the features."""

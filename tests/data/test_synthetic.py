@@ -8,6 +8,9 @@ import torch
 from sparseconv.data.synthetic import (
     _RANGE_NOISE_CLIP,
     _SENSOR_HEIGHT,
+    CLASS_NAMES,
+    ROOM_CLASSES,
+    STREET_CLASSES,
     _street_layout,
     furnished_room,
     lidar_street,
@@ -203,3 +206,64 @@ def test_bad_arguments_raise_value_error_naming_argument(call, name):
 def test_bad_kind_lists_valid_kinds():
     with pytest.raises(ValueError, match=r"street.*room"):
         make_scene("forest")
+
+
+# --- semantic labels ---------------------------------------------------------------------------
+
+
+def test_street_labels_name_the_surface_each_point_lies_on():
+    points, labels = lidar_street(num_beams=16, points_per_beam=512, seed=5, with_labels=True)
+    np.testing.assert_array_equal(points, lidar_street(num_beams=16, points_per_beam=512, seed=5))
+    assert labels.shape == (len(points),) and labels.dtype == np.int64
+    assert set(np.unique(labels).tolist()) == set(range(len(STREET_CLASSES)))
+    # Distance columns: ground, two facades, cars, cylinders -> classes ground, building, vehicle, pole/tree.
+    column_class = np.array([0, 1, 1, 2, 3])
+    dists = _distance_to_street(points, _street_layout(5))
+    own = np.where(column_class[None, :] == labels[:, None], dists, np.inf).min(1)
+    assert own.max() <= _RANGE_NOISE_CLIP + 1e-3
+
+
+def test_room_labels_follow_the_room_geometry():
+    size = (5.0, 4.0, 2.5)
+    points, labels = furnished_room(20_000, size=size, seed=4, with_labels=True)
+    np.testing.assert_array_equal(points, furnished_room(20_000, size=size, seed=4))
+    assert set(np.unique(labels).tolist()) == set(range(len(ROOM_CLASSES)))
+    x, y, z = points[:, 0], points[:, 1], points[:, 2]
+    name = np.array(ROOM_CLASSES)[labels]
+    noise = 0.02
+    assert np.all(np.abs(z[name == "floor"]) < noise)
+    assert np.all(np.abs(z[name == "ceiling"] - size[2]) < noise)
+    to_wall = np.minimum.reduce([np.abs(x), np.abs(x - size[0]), np.abs(y), np.abs(y - size[1])])
+    assert np.all(to_wall[name == "wall"] < noise)
+    # Furniture stands on the floor, below the ceiling, and is not only thin walls.
+    furniture = name == "furniture"
+    assert z[furniture].min() > -noise and z[furniture].max() < size[2] - 0.2
+    assert np.median(to_wall[furniture]) > 0.1
+
+
+def test_voxel_labels_are_the_majority_of_their_points_with_ties_to_the_smallest():
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    points = rng.uniform(-1.0, 1.0, size=(500, 4))
+    labels = rng.integers(0, 4, size=500)
+    coords, feats, voxel_labels = voxelize(points, 0.5, batch_index=2, labels=labels)
+    plain_coords, plain_feats = voxelize(points, 0.5, batch_index=2)
+    assert torch.equal(coords, plain_coords) and torch.equal(feats, plain_feats)
+    assert voxel_labels.dtype == torch.int64 and voxel_labels.shape == (len(coords),)
+    votes = defaultdict(lambda: np.zeros(4, int))
+    for p, label in zip(points, labels):
+        votes[(2, *(int(math.floor(v / 0.5)) for v in p[:3]))][label] += 1
+    for c, label in zip(coords.tolist(), voxel_labels.tolist()):
+        assert label == int(np.argmax(votes[tuple(c)]))  # argmax: first (smallest) of the tied
+    with pytest.raises(ValueError, match="labels must be"):
+        voxelize(points, 0.5, labels=labels[:-1])
+    with pytest.raises(ValueError, match="labels must be"):
+        voxelize(points, 0.5, labels=-labels - 1)
+
+
+@pytest.mark.parametrize("kind", ["street", "room"])
+def test_make_scene_with_labels_adds_a_label_per_voxel_and_keeps_the_rest(kind):
+    coords, feats, labels = make_scene(kind, batch_size=2, seed=3, scale=0.2, with_labels=True)
+    plain = make_scene(kind, batch_size=2, seed=3, scale=0.2)
+    assert len(plain) == 2 and torch.equal(coords, plain[0]) and torch.equal(feats, plain[1])
+    assert labels.shape == (len(coords),) and labels.dtype == torch.int64
+    assert set(labels.unique().tolist()) == set(range(len(CLASS_NAMES[kind])))

@@ -1,0 +1,35 @@
+"""Containers and conversions: Sequential, ToDense."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..tensor import SparseTensor
+from .features import features_of
+
+
+class Sequential(nn.Sequential):
+    """nn.Sequential of modules that take and return SparseTensors."""
+
+
+class ToDense(nn.Module):
+    """SparseTensor -> (B, C, X, Y, Z) dense grid at the tensor's stride (see SparseTensor.dense).
+
+    shape, origin: fixed grid size in cells and the voxel at cell 0 (a multiple of the stride);
+    by default the grid starts at voxel 0 and just covers the batch.
+    """
+
+    def __init__(self, shape: Sequence[int] | None = None, origin: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.shape = None if shape is None else tuple(shape)
+        self.origin = None if origin is None else tuple(origin)
+
+    def forward(self, input: SparseTensor) -> torch.Tensor:
+        features_of(input, self)
+        return input.dense(self.shape, self.origin)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}, origin={self.origin}"

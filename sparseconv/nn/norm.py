@@ -1,0 +1,99 @@
+"""Normalisation of the features: over the whole batch (BatchNorm, SyncBatchNorm), per batch
+element (GroupNorm, InstanceNorm) or per voxel (LayerNorm).
+
+Each subclasses the torch module of the same name, so arguments, parameters and state-dict keys
+are torch's. Per-element statistics use the batch index ``coords[:, 0]``: one element's voxels
+never affect another's output, whatever the batch holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..tensor import SparseTensor
+from . import functional as F
+from .features import OnFeatures, features_of
+
+
+class BatchNorm(OnFeatures, nn.BatchNorm1d):
+    """nn.BatchNorm1d over the features of all voxels of the batch: (N, C) -> (N, C)."""
+
+
+class SyncBatchNorm(OnFeatures, nn.SyncBatchNorm):
+    """nn.SyncBatchNorm over the voxels of every process's batch (CUDA under torch.distributed;
+    without a process group it computes what BatchNorm does)."""
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
+        """``module`` with every sparse BatchNorm replaced by a SyncBatchNorm holding its state.
+
+        Use this rather than torch's converter, which would turn sparse BatchNorms into dense
+        ones that reject SparseTensors.
+        """
+        if isinstance(module, BatchNorm):
+            converted = cls(
+                module.num_features, module.eps, module.momentum, module.affine,
+                module.track_running_stats, process_group,
+            )
+            # The same Parameter and buffer objects, as torch's converter does, so an optimiser
+            # built before the conversion still updates them.
+            for name in ("weight", "bias"):
+                if getattr(module, name) is not None:
+                    setattr(converted, name, getattr(module, name))
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                setattr(converted, name, getattr(module, name))
+            converted.train(module.training)
+            return converted
+        for name, child in module.named_children():
+            module.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return module
+
+
+class GroupNorm(nn.GroupNorm):
+    """nn.GroupNorm with statistics per batch element: (N, C) -> (N, C).
+
+    ``GroupNorm(1, C)`` is a layer norm over all voxels and channels of each element.
+    """
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        _check_channels(self, input, self.num_channels)
+        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+
+
+class InstanceNorm(nn.InstanceNorm1d):
+    """Every channel normalised over the voxels of its batch element: (N, C) -> (N, C).
+
+    torch's InstanceNorm1d arguments and defaults (``affine=False``); running statistics are
+    not supported because the statistics are per element by definition.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = False,
+        track_running_stats: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if track_running_stats:
+            raise ValueError("track_running_stats=True is not supported by the sparse InstanceNorm; use BatchNorm")
+        super().__init__(num_features, eps, momentum, affine, False, device, dtype)
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        _check_channels(self, input, self.num_features)
+        return F.instance_norm(input, self.weight, self.bias, self.eps)
+
+
+class LayerNorm(OnFeatures, nn.LayerNorm):
+    """nn.LayerNorm over each voxel's C channels (torch's and WarpConvNet's LayerNorm on point
+    features); for statistics over a whole batch element use ``GroupNorm(1, C)``."""
+
+
+def _check_channels(module: nn.Module, input: SparseTensor, channels: int) -> None:
+    if features_of(input, module).shape[1] != channels:
+        raise ValueError(
+            f"{type(module).__name__} expects {channels} channels, got a SparseTensor with {input.num_channels}"
+        )

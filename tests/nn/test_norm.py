@@ -1,0 +1,128 @@
+"""Normalisation: per-element statistics against torch's norms on each element's (1, C, N_b) slice,
+LayerNorm per voxel, BatchNorm / SyncBatchNorm over the batch, gradcheck, half precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES
+from sparse_reference import random_coords
+
+from sparseconv import SparseTensor
+from sparseconv.nn import BatchNorm, GroupNorm, InstanceNorm, LayerNorm, ReLU, Sequential, SparseConv3d, SyncBatchNorm
+from sparseconv.nn import functional as F
+
+
+def _batch(device, channels=8, dtype=torch.float64, batch_size=3):
+    """Rows in random order, elements of different sizes and offsets (statistics must not mix)."""
+    coords = random_coords(300, 7, batch_size=batch_size, device=device)
+    coords = coords[torch.randperm(len(coords), device=device)]
+    scale = 1 + 3 * coords[:, :1].to(dtype)
+    feats = torch.randn(len(coords), channels, device=device, dtype=dtype) * scale + 5 * coords[:, :1]
+    return SparseTensor(coords, feats)
+
+
+def _per_element(x, out_channels, torch_norm):
+    """torch_norm applied to every element's (1, C, N_b) slice, scattered back to (N, C)."""
+    expected = x.feats.new_zeros((len(x), out_channels))
+    for b in range(x.batch_size):
+        rows = x.coords[:, 0] == b
+        expected[rows] = torch_norm(x.feats[rows].t()[None])[0].t()
+    return expected
+
+
+def _randomise_affine(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_groups", [1, 2, 8])
+def test_group_norm_equals_torch_per_element(num_groups, device):
+    x = _batch(device)
+    ours = _randomise_affine(GroupNorm(num_groups, 8, device=device, dtype=torch.float64))
+    theirs = torch.nn.GroupNorm(num_groups, 8, device=device, dtype=torch.float64)
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(ours(x).feats, _per_element(x, 8, theirs))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("affine", [False, True])
+def test_instance_norm_equals_torch_per_element(affine, device):
+    x = _batch(device)
+    ours = InstanceNorm(8, affine=affine, device=device, dtype=torch.float64)
+    theirs = torch.nn.InstanceNorm1d(8, affine=affine, device=device, dtype=torch.float64)
+    if affine:
+        theirs.load_state_dict(_randomise_affine(ours).state_dict())
+    torch.testing.assert_close(ours(x).feats, _per_element(x, 8, theirs))
+
+
+def test_one_group_is_a_layer_norm_over_each_element():
+    x = _batch("cpu")
+    expected = _per_element(x, 8, lambda s: torch.nn.functional.layer_norm(s, s.shape[1:]))
+    torch.testing.assert_close(F.group_norm(x, 1).feats, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_norm_normalises_each_voxel_over_its_channels(device):
+    x = _batch(device)
+    ours = _randomise_affine(LayerNorm(8, device=device, dtype=torch.float64))
+    torch.testing.assert_close(ours(x).feats, torch.nn.functional.layer_norm(x.feats, (8,), ours.weight, ours.bias))
+
+
+def test_batch_norm_and_sync_batch_norm_equal_batchnorm1d_over_all_voxels():
+    x = _batch("cpu")
+    ours = _randomise_affine(BatchNorm(8, dtype=torch.float64))
+    theirs = torch.nn.BatchNorm1d(8, dtype=torch.float64)
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(ours(x).feats, theirs(x.feats))
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean)
+    # Without a process group SyncBatchNorm computes what BatchNorm does.
+    sync = SyncBatchNorm(8, dtype=torch.float64)
+    sync.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(sync(x).feats, theirs(x.feats))
+
+
+def test_convert_sync_batchnorm_replaces_sparse_batch_norms_and_keeps_their_state():
+    norm = _randomise_affine(BatchNorm(4, dtype=torch.float64))
+    net = Sequential(SparseConv3d(8, 4, 3, dtype=torch.float64), norm, ReLU())
+    x = _batch("cpu")
+    net(x)  # moves the running statistics away from their initial values
+    before = net.eval()(x).feats
+    converted = SyncBatchNorm.convert_sync_batchnorm(net)
+    assert isinstance(converted[1], SyncBatchNorm) and not converted[1].training
+    torch.testing.assert_close(converted(x).feats, before)
+
+
+def test_gradcheck_group_and_instance_norm():
+    x = _batch("cpu", channels=4, batch_size=2)
+    x = SparseTensor(x.coords[:40], x.feats[:40])
+    feats = x.feats.clone().requires_grad_()
+    weight = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda f, w, b: F.group_norm(x.replace(f), 2, w, b).feats, (feats, weight, bias))
+    assert torch.autograd.gradcheck(lambda f: F.instance_norm(x.replace(f)).feats, (feats,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_normalised_in_float32_and_keeps_its_dtype(dtype):
+    x = _batch("cpu", dtype=torch.float32)
+    out = F.group_norm(x.replace(x.feats.to(dtype)), 4)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.feats.float(), F.group_norm(x, 4).feats, rtol=2e-2, atol=3e-2)
+
+
+def test_norms_reject_bad_arguments():
+    x = _batch("cpu")
+    with pytest.raises(ValueError, match="num_groups must be a positive int dividing the 8 channels"):
+        F.group_norm(x, 3)
+    with pytest.raises(ValueError, match="track_running_stats"):
+        InstanceNorm(8, track_running_stats=True)
+    with pytest.raises(ValueError, match="InstanceNorm expects 4 channels, got a SparseTensor with 8"):
+        InstanceNorm(4)(x)
+    with pytest.raises(ValueError, match="GroupNorm expects 4 channels, got a SparseTensor with 8"):
+        GroupNorm(2, 4)(x)
+    with pytest.raises(TypeError, match="GroupNorm takes a SparseTensor, got Tensor"):
+        GroupNorm(2, 8)(x.feats)

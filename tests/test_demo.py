@@ -1,0 +1,86 @@
+"""The demo's training run, report, bird's-eye picture, and the segmentation metrics it uses."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+import torch
+
+from sparseconv.demo import format_report, run_demo
+from sparseconv.metrics import confusion_matrix, iou_per_class
+from sparseconv.viz import save_bev_comparison
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture
+def no_tuning_sweeps(monkeypatch):
+    """The tuner's timing sweeps of the demo's many small distinct problems take ~30 s on a 2-core
+    CPU; what these tests check is the demo, so they run on the tuner's heuristic choice."""
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "none")
+
+
+def test_tiny_demo_trains_scores_plots_and_leaves_the_callers_rng_alone(tmp_path, no_tuning_sweeps):
+    rng = torch.get_rng_state()
+    plot = tmp_path / "bev.png" if HAS_MATPLOTLIB else None
+    report = run_demo("room", 1, 0.1, "cpu", 4, 4, seed=3, plot=plot, progress=False)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert len(report["losses"]) == len(report["step_seconds"]) == 4
+    assert all(math.isfinite(v) for v in report["losses"])
+    assert report["classes"] == ["floor", "wall", "furniture", "ceiling"]
+    assert 0.0 <= report["miou"] <= 1.0 and sum(report["class_voxels"]) == report["held_out_voxels"]
+    present = [v for v in report["iou"] if not math.isnan(v)]
+    assert math.isclose(report["miou"], sum(present) / len(present))
+    text = format_report(report)
+    for expected in ("MinkUNet14 (width 4", "training: 4 steps", "loss, mean over", "held-out mIoU", "furniture"):
+        assert expected in text
+    if HAS_MATPLOTLIB:
+        assert report["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "bird's-eye picture" in text
+
+
+def test_bev_plot_without_matplotlib_says_how_to_install_it_before_training(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    ids = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ImportError, match=r"pip install 'sparseconv\[plot\]'"):
+        save_bev_comparison(tmp_path / "x.png", torch.zeros(3, 4, dtype=torch.int32), ids, ids, ["a"])
+    monkeypatch.setattr("sparseconv.demo.make_scene", None)  # any training would fail on this instead
+    with pytest.raises(ImportError, match="needs matplotlib"):
+        run_demo(plot=tmp_path / "x.png")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"scene": "forest"}, "scene must be one of"), ({"steps": 0}, "steps must be a positive int"),
+     ({"width": 2.5}, "width must be a positive int"), ({"scale": -1.0}, "scale must be a finite number"),
+     ({"plot": "/no/such/folder/bev.png"}, "plot: the folder of")],
+)
+def test_demo_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        run_demo(**kwargs)
+
+
+def test_confusion_matrix_and_iou_against_counting():
+    num_classes = 5
+    target = torch.randint(0, 4, (500,))  # class 4 never occurs
+    prediction = torch.where(torch.rand(500) < 0.7, target, torch.randint(0, 4, (500,)))
+    confusion = confusion_matrix(prediction, target, num_classes)
+    for t in range(num_classes):
+        for p in range(num_classes):
+            assert confusion[t, p] == int(((target == t) & (prediction == p)).sum())
+    iou = iou_per_class(confusion)
+    for c in range(4):
+        hit, union = ((target == c) & (prediction == c)).sum(), ((target == c) | (prediction == c)).sum()
+        assert math.isclose(float(iou[c]), int(hit) / int(union))
+    assert math.isnan(float(iou[4]))
+
+
+def test_confusion_matrix_rejects_bad_ids():
+    with pytest.raises(ValueError, match=r"target must hold integer class ids in \[0, 3\)"):
+        confusion_matrix(torch.tensor([0, 1]), torch.tensor([0, 3]), 3)
+    with pytest.raises(ValueError, match="one shape"):
+        confusion_matrix(torch.tensor([0, 1]), torch.tensor([0]), 3)
