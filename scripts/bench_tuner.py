@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--scene", choices=("street", "room"), default="street")
     parser.add_argument("--scale", type=float, default=0.5)
     parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args()
     device = torch.device(args.device)
     os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
@@ -89,14 +89,19 @@ def main() -> None:
         "ours explicit_gemm": {f"{p}_algo": "explicit_gemm" for p in ("fwd", "dgrad", "wgrad")},
         "naive torch": {f"{p}_algo": "naive_im2col" for p in ("fwd", "dgrad", "wgrad")},
     }
-    results, first = {}, {}
+    # Build and warm every configuration first (the tuned one tunes here), then time their steps
+    # interleaved (A B C A B C ...) so a drift in machine load hits all columns alike.
+    models, first = {}, {}
     for name, pins in configs.items():
         torch.manual_seed(0)
-        model = network(args.width, pins).to(device)
-        sparseconv.tune.get_tuner().forget()
-        first[name] = step_ms(model, x, device)
-        step_ms(model, x, device)
-        results[name] = statistics.median(step_ms(model, x, device) for _ in range(args.steps))
+        models[name] = network(args.width, pins).to(device)
+        first[name] = step_ms(models[name], x, device)
+        step_ms(models[name], x, device)
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(args.steps):
+        for name, model in models.items():
+            samples[name].append(step_ms(model, x, device))
+    results = {name: statistics.median(values) for name, values in samples.items()}
     chosen = {}
     for module in network_modules(configs, args.width, device, x):
         for namespace, algo in module.algorithms.items():
@@ -104,7 +109,7 @@ def main() -> None:
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"device: {where}; scene {args.scene} scale {args.scale}: {len(x)} voxels; width {args.width}; "
-          f"median of {args.steps} forward+backward steps, kernel maps cached (ms)")
+          f"median of {args.steps} forward+backward steps, interleaved, kernel maps cached (ms)")
     header = ["", "ours tuned", "ours explicit_gemm", "spconv", "spconv-triton", "naive torch"]
     rows = [["step", f"{results['ours tuned']:.1f}", f"{results['ours explicit_gemm']:.1f}", "n/a", "n/a",
              f"{results['naive torch']:.1f}"],
