@@ -21,7 +21,8 @@ def test_reset_parameters_uses_torchs_conv_bounds(transposed):
     for ours, theirs in ((conv.weight, dense.weight), (conv.bias, dense.bias)):
         assert float(ours.detach().abs().max()) <= bound
         assert float(theirs.detach().abs().max()) <= bound
-        assert float(ours.detach().abs().max()) > 0.9 * bound
+    # 20,736 uniform draws all below 0.9 * bound would happen with probability 0.9**20736: never.
+    assert float(conv.weight.detach().abs().max()) > 0.9 * bound
     assert conv.dense_weight().shape == dense.weight.shape
 
 
