@@ -12,8 +12,6 @@ against the naive one (and against spconv where the weight layouts can be matche
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -26,26 +24,12 @@ from sparseconv.coords.hashing import pack_coords
 from sparseconv.coords.kernel_map import offset_deltas
 from sparseconv.data import make_scene
 from sparseconv.ops import sparse_conv3d
+from sparseconv.tune.timing import Timer, TimingPlan
 
 
 def bench(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn``: CUDA events on GPU, perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    """Median milliseconds of ``fn`` with the tuner's timer: CUDA events on GPU, perf_counter on CPU."""
+    return Timer(device, TimingPlan(warmup=warmup, repeats=repeats, flush_l2=False)).median(fn)[0]
 
 
 # --- naive torch ---------------------------------------------------------------------------

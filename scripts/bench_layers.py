@@ -17,7 +17,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 
@@ -27,6 +26,7 @@ from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.data import make_scene
 from sparseconv.ops import sparse_conv3d
+from sparseconv.tune.timing import Timer, TimingPlan
 
 DEVICE = torch.device("cuda")
 SCENES = {"street1": ("street", 0.05, 1), "street4": ("street", 0.05, 4), "room2": ("room", 0.02, 2)}
@@ -34,22 +34,8 @@ LAYERS = {"subm3": (3, 1, False), "down2": (2, 2, False), "up2": (2, 2, True)}
 
 
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    if DEVICE.type != "cuda":  # --device cpu: a dry run of the script's logic, not a benchmark
-        begin = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return 1e3 * (time.perf_counter() - begin) / repeats
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``fn`` with the tuner's timer (CUDA events; perf_counter for --device cpu dry runs)."""
+    return Timer(DEVICE, TimingPlan(warmup=warmup, repeats=repeats, flush_l2=False)).median(fn)[0]
 
 
 def ceilings() -> tuple[float, float]:
