@@ -40,10 +40,12 @@ def poisoned_outputs(monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("channels", [(3, 13), (16, 4)], ids=lambda c: f"c{c[0]}x{c[1]}")
 @pytest.mark.parametrize("mode", CASES, ids=str)
 def test_triton_backends_match_explicit_gemm(mode, channels, dtype, device, poisoned_outputs):
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("Triton's interpreter computes in numpy, which has no bfloat16 (GPU only)")
     c_in, c_out = channels
     n = 40 if device == "cpu" else 4000
     x = make_input(mode, c_in, device, dtype=dtype, n=n, extent=6 if device == "cpu" else 30)
@@ -69,3 +71,10 @@ def test_triton_backends_match_explicit_gemm(mode, channels, dtype, device, pois
             assert out.dtype == dtype and out.shape == ref.shape
             assert bool(torch.isfinite(out).all()), f"{name} {namespace}: unwritten or non-finite output"
             assert _relative_error(out, ref) < TOLERANCE[dtype], f"{name} {namespace}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("channels", [(32, 64), (96, 96), (128, 256), (256, 32)], ids=lambda c: f"c{c[0]}x{c[1]}")
+def test_triton_backends_match_explicit_gemm_at_wide_channels(channels, dtype, poisoned_outputs):
+    test_triton_backends_match_explicit_gemm(CASES[0], channels, dtype, "cuda", poisoned_outputs)
