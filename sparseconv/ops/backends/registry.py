@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -84,13 +83,3 @@ def get(name: str) -> Backend:
 def names(namespace: str | None = None) -> list[str]:
     """Registered backend names, those implementing ``namespace`` if given."""
     return sorted(n for n, b in _BACKENDS.items() if namespace is None or namespace in b.ops)
-
-
-def lookup(name: str, namespace: str, source: str) -> Backend:
-    """The backend called ``name`` for ``namespace``; ValueError naming ``source``, the valid names and the closest match."""
-    valid = names(namespace)
-    if name not in valid:
-        close = difflib.get_close_matches(name, valid, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"{source}: unknown algorithm {name!r} for {namespace}; valid: {valid}{hint}")
-    return _BACKENDS[name]
