@@ -179,12 +179,12 @@ class Tuner:
             record = {"backend": candidate.backend, "params": list(map(list, candidate.params)),
                       "version": backend.version, "ms": None, "samples": 0}
             try:
-                problem_found = check_output(call(), reference)
-                if problem_found is None:
+                failure = check_output(call(), reference)
+                if failure is None:
                     record["ms"], record["samples"] = timer.median(call)
                     record["verdict"] = "ok"
                 else:
-                    record.update(verdict="wrong", reason=problem_found)
+                    record.update(verdict="wrong", reason=failure)
             except Exception as error:  # noqa: BLE001 - a failing candidate is skipped, never fatal
                 if isinstance(error, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
