@@ -20,7 +20,6 @@ import time
 import torch
 from torch import nn
 
-import sparseconv.tune
 from sparseconv import SparseTensor
 from sparseconv.data import make_scene
 from sparseconv.nn import BatchNorm, ReLU, Sequential, SparseConv3d, SparseConvTranspose3d
@@ -103,7 +102,7 @@ def main() -> None:
             samples[name].append(step_ms(model, x, device))
     results = {name: statistics.median(values) for name, values in samples.items()}
     chosen = {}
-    for module in network_modules(configs, args.width, device, x):
+    for module in (m for m in models["ours tuned"].modules() if isinstance(m, SparseConv3d)):
         for namespace, algo in module.algorithms.items():
             chosen[(namespace, algo)] = chosen.get((namespace, algo), 0) + 1
 
@@ -122,14 +121,6 @@ def main() -> None:
     print("tuned choices (product, algorithm: layers):")
     for (namespace, algo), count in sorted(chosen.items()):
         print(f"  {namespace:<20} {algo:<40} {count}")
-
-
-def network_modules(configs, width, device, x):
-    """The tuned network's conv layers after one more step (their .algorithms filled)."""
-    torch.manual_seed(0)
-    model = network(width, configs["ours tuned"]).to(device)
-    model(x).feats.square().mean().backward()
-    return [m for m in model.modules() if isinstance(m, SparseConv3d)]
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 
 from .._args import Triple, triple
 from ..coords.kernel_map import KernelMap, KernelMapKey
+from ..precision import accumulator_dtype
 from ..tensor import SparseTensor
 
 __all__ = [
@@ -72,7 +73,7 @@ def global_avg_pool(input: SparseTensor, batch_size: int | None = None) -> torch
     """
     batch, size = _batch_index(input, batch_size)
     feats = input.feats
-    sums = _accumulator(feats, (size, feats.shape[1])).index_add(0, batch, feats.to(_acc_dtype(feats)))
+    sums = _accumulator(feats, (size, feats.shape[1])).index_add(0, batch, feats.to(accumulator_dtype(feats.dtype)))
     counts = torch.bincount(batch, minlength=size).clamp_(min=1)
     return (sums / counts[:, None].to(sums.dtype)).to(feats.dtype)
 
@@ -103,7 +104,7 @@ def group_norm(
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1 or channels % num_groups:
         raise ValueError(f"num_groups must be a positive int dividing the {channels} channels, got {num_groups!r}")
     batch, size = _batch_index(input, None)
-    x = feats.to(_acc_dtype(feats)).reshape(len(input), num_groups, channels // num_groups)
+    x = feats.to(accumulator_dtype(feats.dtype)).reshape(len(input), num_groups, channels // num_groups)
     count = (torch.bincount(batch, minlength=size).clamp_(min=1) * (channels // num_groups)).to(x.dtype)[:, None]
     # Two passes (mean, then the mean of squared deviations) keep the variance accurate for
     # features with a large mean, where E[x^2] - E[x]^2 cancels catastrophically.
@@ -189,10 +190,5 @@ def _batch_index(input: SparseTensor, batch_size: int | None) -> tuple[torch.Ten
     return input.coords[:, 0].to(torch.int64), size
 
 
-def _acc_dtype(feats: torch.Tensor) -> torch.dtype:
-    # Sums of many half-precision values lose digits at every add; accumulate in float32.
-    return torch.float32 if feats.dtype in (torch.float16, torch.bfloat16) else feats.dtype
-
-
 def _accumulator(feats: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    return feats.new_zeros(shape, dtype=_acc_dtype(feats))
+    return feats.new_zeros(shape, dtype=accumulator_dtype(feats.dtype))

@@ -74,15 +74,6 @@ class Tuner:
             self._cache.install_exit_hooks()
         return self._cache
 
-    def choices(self) -> dict[str, str]:
-        """Encoded key -> chosen candidate id, for everything decided in this process."""
-        return {key.encode(): candidate.id for (key, *_), candidate in self._choices.items()}
-
-    def forget(self) -> None:
-        """Drop the in-process choices (the cache file keeps its timings)."""
-        with self._lock:
-            self._choices.clear()
-
     def run(
         self,
         namespace: str,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import DEVICES
 from conv_cases import MODES, make_conv, make_input, reference
+from sparse_reference import relative_error
 
 from sparseconv import SparseTensor
 from sparseconv.ops import sparse_conv3d
@@ -16,10 +17,6 @@ from sparseconv.ops.backends import Backend, explicit, register, unregister
 # Relative error bounds per dtype: loose enough for rounding of the operands, tight enough that a
 # dropped offset or a K-fold rounding of the sum fails.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -39,9 +36,9 @@ def test_low_precision_matches_float64_reference(mode, dtype, device):
     out = low(x64.replace(feats))
     out.feats.backward(probe.to(dtype))
     assert out.dtype == feats.grad.dtype == low.weight.grad.dtype == dtype
-    assert _relative_error(out.feats, ref) < TOLERANCE[dtype]
-    assert _relative_error(feats.grad, ref_grads[0]) < TOLERANCE[dtype]
-    assert _relative_error(low.weight.grad, ref_grads[1]) < TOLERANCE[dtype]
+    assert relative_error(out.feats, ref) < TOLERANCE[dtype]
+    assert relative_error(feats.grad, ref_grads[0]) < TOLERANCE[dtype]
+    assert relative_error(low.weight.grad, ref_grads[1]) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -55,7 +52,7 @@ def test_autocast_runs_the_conv_in_the_autocast_dtype(device):
     assert out.dtype == low
     with torch.no_grad():
         ref = conv(x).feats
-    assert _relative_error(out.feats, ref) < TOLERANCE[low]
+    assert relative_error(out.feats, ref) < TOLERANCE[low]
     out.feats.float().sum().backward()
     assert conv.weight.grad.dtype == torch.float32
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import DEVICES
 from conv_cases import MODES, make_input
+from sparse_reference import relative_error
 
 from sparseconv.coords import KernelMapKey
 from sparseconv.ops.backends import explicit, get, mask_triton
@@ -27,10 +28,6 @@ OPS = {
 def _problem(x, kernel_map, c_in, c_out, dtype, mode) -> ConvProblem:
     return ConvProblem(kernel_map.num_in, kernel_map.num_out, c_in, c_out, kernel_map.kernel_size, (1, 1, 1),
                        (1, 1, 1), mode.transposed, mode.generative, dtype, x.device)
-
-
-def _relative_error(out, ref) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
 @pytest.fixture
@@ -70,7 +67,7 @@ def test_triton_backends_match_explicit_gemm(mode, channels, dtype, device, pois
             ref = explicit.run(namespace, problem, {}, a.double(), b.double(), kernel_map)
             assert out.dtype == dtype and out.shape == ref.shape
             assert bool(torch.isfinite(out).all()), f"{name} {namespace}: unwritten or non-finite output"
-            assert _relative_error(out, ref) < TOLERANCE[dtype], f"{name} {namespace}"
+            assert relative_error(out, ref) < TOLERANCE[dtype], f"{name} {namespace}"
 
 
 @pytest.mark.gpu

@@ -12,17 +12,14 @@ from collections.abc import Mapping
 import torch
 
 from ...coords.kernel_map import KernelMap
+from ...precision import accumulator_dtype
 from ..problem import NAMESPACES, ConvProblem
 from .registry import Backend, register
 
 
-def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
     """a: (N_in, C_in) feats, b: (K, C_in, C_out) weight -> (N_out, C_out) in a's dtype."""
-    out = a.new_zeros((kernel_map.num_out, b.shape[2]), dtype=_accumulator_dtype(a.dtype))
+    out = a.new_zeros((kernel_map.num_out, b.shape[2]), dtype=accumulator_dtype(a.dtype))
     for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
         if k == kernel_map.identity_offset:
             out += torch.mm(a, b[k])
@@ -33,7 +30,7 @@ def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Te
 
 def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
     """a: (N_out, C_out) output grad, b: (K, C_in, C_out) weight -> (N_in, C_in) input grad."""
-    out = a.new_zeros((kernel_map.num_in, b.shape[1]), dtype=_accumulator_dtype(a.dtype))
+    out = a.new_zeros((kernel_map.num_in, b.shape[1]), dtype=accumulator_dtype(a.dtype))
     for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
         if k == kernel_map.identity_offset:
             out += torch.mm(a, b[k].t())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ...coords.kernel_map import KernelMap
+from ...precision import accumulator_dtype
 from ..problem import NAMESPACES, ConvProblem
 from .registry import Backend, register
 
@@ -66,13 +67,9 @@ def _padded(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((1, x.shape[1]))])
 
 
-def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, params: Mapping) -> torch.Tensor:
     """a: (N_in, C_in) feats, b: (K, C_in, C_out) weight -> (N_out, C_out)."""
-    out = a.new_zeros((kernel_map.num_out + 1, b.shape[2]), dtype=_accumulator_dtype(a.dtype))
+    out = a.new_zeros((kernel_map.num_out + 1, b.shape[2]), dtype=accumulator_dtype(a.dtype))
     if kernel_map.identity_offset is not None:
         out[:-1] += torch.mm(a, b[kernel_map.identity_offset])
     source = _padded(a)
@@ -84,7 +81,7 @@ def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, params: Map
 
 def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, params: Mapping) -> torch.Tensor:
     """a: (N_out, C_out) output grad, b: (K, C_in, C_out) weight -> (N_in, C_in)."""
-    out = a.new_zeros((kernel_map.num_in + 1, b.shape[1]), dtype=_accumulator_dtype(a.dtype))
+    out = a.new_zeros((kernel_map.num_in + 1, b.shape[1]), dtype=accumulator_dtype(a.dtype))
     if kernel_map.identity_offset is not None:
         out[:-1] += torch.mm(a, b[kernel_map.identity_offset].t())
     source = _padded(a)
