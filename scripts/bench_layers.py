@@ -4,7 +4,9 @@ Workloads: synthetic LiDAR streets at 5 cm (batch 1 and 4) and rooms at 2 cm (ba
 submanifold 3^3 convs, a k=2 s=2 downsampling and its transposed conv, C in {32, 64, 128,
 256}; fp16 and bf16. Times: CUDA events, warm-up, median of --repeats, kernel maps cached
 (ours: the tensor's cache; the anchors: their indice_dict). Map builds are a separate row.
-Also prints each cell's fraction of the measured bf16 matmul peak and of copy bandwidth.
+Also prints each cell's fraction of the measured bf16 matmul peak and of copy bandwidth, and
+each backend family's own tuned best (Triton, CUTLASS: pinned per namespace) beside the
+overall tuned choice, so the table shows which family wins a cell and by how much.
 
     python scripts/bench_layers.py                       # full grid (several minutes on an H200)
     python scripts/bench_layers.py --scenes street1 --channels 64 --layers subm3 --dtypes float16
@@ -29,7 +31,16 @@ from sparseconv.ops import sparse_conv3d
 from sparseconv.tune.timing import Timer, TimingPlan
 
 DEVICE = torch.device("cuda")
-SCENES = {"street1": ("street", 0.05, 1), "street4": ("street", 0.05, 4), "room2": ("room", 0.02, 2)}
+# (kind, voxel size m, batch, scale): streets sampled twice as densely as the default sweep, so
+# that one street at 5 cm holds ~92k voxels and four ~370k (the grid spans 90k-700k voxels).
+SCENES = {"street1": ("street", 0.05, 1, 2.0), "street4": ("street", 0.05, 4, 2.0), "room2": ("room", 0.02, 2, 1.0)}
+# Each family's own tuned best, pinned per namespace, beside the overall tuned choice.
+FAMILIES = {
+    "triton": {"fwd_algo": ["mask_implicit_gemm", "implicit_gemm"], "dgrad_algo": ["mask_implicit_gemm", "implicit_gemm"],
+               "wgrad_algo": ["splitk_wgrad"]},
+    "cutlass": {"fwd_algo": ["cutlass_grouped", "cutlass_implicit_gemm"],
+                "dgrad_algo": ["cutlass_grouped", "cutlass_implicit_gemm"], "wgrad_algo": ["cutlass_splitk_wgrad"]},
+}
 LAYERS = {"subm3": (3, 1, False), "down2": (2, 2, False), "up2": (2, 2, True)}
 
 
@@ -104,6 +115,14 @@ def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int
         "ours+bwd": median_ms(lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **args).feats.sum().backward(), repeats),
         "chosen": "/".join(record.get(ns, "?").split("[")[0] for ns in ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")),
     }
+    for family, pins in FAMILIES.items():
+        try:
+            sparse_conv3d(x.replace(leaf_feats), leaf_weight, **args, **pins).feats.sum().backward()  # tunes
+            result[family] = median_ms(lambda: sparse_conv3d(x, weight, **args, **pins), repeats)
+            result[family + "+bwd"] = median_ms(
+                lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **args, **pins).feats.sum().backward(), repeats)
+        except Exception as error:  # noqa: BLE001 - e.g. no toolchain: the table says so
+            result[family] = result[family + "+bwd"] = f"n/a ({type(error).__name__})"
     result["naive"] = median_ms(lambda: naive_conv(x.feats, weight, kernel_map), repeats)
     result["naive+bwd"] = median_ms(lambda: naive_conv(leaf_feats, leaf_weight, kernel_map).sum().backward(), repeats)
     for name, spc in anchors.items():
@@ -131,8 +150,8 @@ def map_build_ms(coords: torch.Tensor, repeats: int) -> float:
 
 def profile_cell(args) -> None:
     """Where one forward+backward spends its time (street1, first channel count and dtype)."""
-    kind, voxel, batch = SCENES[args.scenes[0]]
-    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=args.scale)
+    kind, voxel, batch, scale = SCENES[args.scenes[0]]
+    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale * args.scale)
     c, dtype = args.channels[0], getattr(torch, args.dtypes[0])
     x = SparseTensor(coords.to(DEVICE), torch.randn(len(coords), c, device=DEVICE, dtype=dtype).requires_grad_())
     weight = torch.randn(27, c, c, device=DEVICE, dtype=dtype, requires_grad=True)
@@ -172,13 +191,14 @@ def main() -> None:
         profile_cell(args)
     anchors = {name: import_anchor(name) if DEVICE.type == "cuda" else "n/a (cpu)" for name in ("spconv", "spconv_triton")}
     header = ["scene", "dtype", "C", "layer", "N", "ours", "spconv", "sp-triton", "naive",
-              "ours+bwd", "spconv+bwd", "sp-triton+bwd", "naive+bwd", "%peak", "%bw", "ours chose (fwd/dgrad/wgrad)"]
+              "ours+bwd", "spconv+bwd", "sp-triton+bwd", "naive+bwd", "%peak", "%bw", "ours chose (fwd/dgrad/wgrad)",
+              "triton", "cutlass", "triton+bwd", "cutlass+bwd"]
     print(" | ".join(header))
     ratios: dict[str, list[float]] = {"fwd": [], "fwd+bwd": []}
     peer_ratios: dict[str, list[float]] = {"fwd": [], "fwd+bwd": []}
     for scene in args.scenes:
-        kind, voxel, batch = SCENES[scene]
-        coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=args.scale)
+        kind, voxel, batch, scale = SCENES[scene]
+        coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale * args.scale)
         base = SparseTensor(coords.to(DEVICE), torch.zeros(len(coords), 1, device=DEVICE))
         map_ms = map_build_ms(base.coords, args.repeats)
         print(f"{scene}: {len(coords)} voxels; our submanifold 3^3 kernel-map build {map_ms:.3f} ms")
@@ -196,7 +216,8 @@ def main() -> None:
                     print(" | ".join([scene, dtype_name, str(c), layer, r["N"], fmt(r["ours"]), fmt(r["spconv"]),
                                       fmt(r["spconv_triton"]), fmt(r.get("naive")), fmt(r["ours+bwd"]),
                                       fmt(r["spconv+bwd"]), fmt(r["spconv_triton+bwd"]), fmt(r.get("naive+bwd")),
-                                      f"{100 * peak:.0f}%", f"{100 * bw:.0f}%", r["chosen"]]), flush=True)
+                                      f"{100 * peak:.0f}%", f"{100 * bw:.0f}%", r["chosen"],
+                                      *(fmt(r[f + m]) for m in ("", "+bwd") for f in FAMILIES)]), flush=True)
                     for mode, suffix in (("fwd", ""), ("fwd+bwd", "+bwd")):
                         peers = [r[p + suffix] for p in ("spconv", "spconv_triton") if isinstance(r[p + suffix], float)]
                         if isinstance(r["spconv" + suffix], float):

@@ -23,6 +23,8 @@ VARIABLES = {
     "SPARSECONV_AUTOTUNE_EFFORT": "none (heuristic, no timing) | quick (default: adaptive pool) | full (every candidate)",
     "SPARSECONV_CACHE_DIR": "directory of the tuning cache file (default ~/.cache/sparseconv)",
     "SPARSECONV_AUTOTUNE_LOG": "1: log every tuning sweep as a table, and the winner",
+    "SPARSECONV_NVCC": "nvcc for the CUTLASS backends (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",
+    "SPARSECONV_CUTLASS_DIR": "CUTLASS checkout or include directory (default: the nvidia-cutlass package's headers)",
 }
 
 
@@ -52,3 +54,12 @@ def autotune_log() -> bool:
 def triton_interpret() -> bool:
     """Triton's own TRITON_INTERPRET=1: its kernels then run on the CPU (slowly), as CI does."""
     return os.environ.get("TRITON_INTERPRET", "").strip() in ("1", "true", "True")
+
+
+def nvcc() -> str | None:
+    return os.environ.get("SPARSECONV_NVCC", "").strip() or None
+
+
+def cutlass_dir() -> Path | None:
+    value = os.environ.get("SPARSECONV_CUTLASS_DIR", "").strip()
+    return Path(value).expanduser() if value else None

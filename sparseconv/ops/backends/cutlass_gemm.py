@@ -1,0 +1,307 @@
+"""CUTLASS tensor-core backends from csrc/sparse_gemm.cu, compiled at run time (see cuda_jit).
+
+- ``cutlass_grouped`` (forward, dgrad): every offset in one launch, output-stationary: each
+  block owns a tile of output rows sorted by neighbour mask and accumulates all its offsets in
+  registers (offsets no row of the tile uses are skipped); one write per row, deterministic.
+- ``cutlass_implicit_gemm`` (forward, dgrad): one gather-GEMM-scatter launch per offset
+  (CUTLASS's gathered A and scattered D), accumulating into an fp32 output.
+- ``cutlass_splitk_wgrad`` (wgrad): dW_k = A[in_k]ᵀ · B[out_k] gathered along the pairs in both
+  operands, the pairs cut into chunks (split-K) that all run in one launch and are summed after.
+
+The tile shape and pipeline depth (and the chunk length of wgrad) are inner configurations,
+tuned with :func:`sparseconv.tune.autotune`; the tuner's namespaces choose between families.
+fp16 and bf16 run with fp32 accumulation; fp32 runs through tf32 tensor ops, so only where
+``torch.backends.cuda.matmul.allow_tf32`` allows it. Channel counts must allow 16-byte vector
+loads (multiples of 8 for 16-bit types, 4 for fp32); other counts fall back to the other
+backends, and a pin says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ...coords.kernel_map import KernelMap
+from ...tune.decorator import autotune
+from ..problem import ConvProblem
+from . import cuda_jit
+from .mask_triton import row_order, transposed_table
+from .registry import Backend, register
+
+SOURCE = "sparse_gemm.cu"
+ELEMENT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+KERNELS = ("sc_rows_ab", "sc_rows_abt", "sc_pairs_ab", "sc_pairs_abt", "sc_chunks_atb")
+
+
+class Tile(NamedTuple):
+    """Threadblock tile (m, n, k), warp tile (m, n) and cp.async pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warp_m: int
+    warp_n: int
+    stages: int
+
+
+class WgradTile(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    warp_m: int
+    warp_n: int
+    stages: int
+    chunk: int  # pairs per split-K chunk
+
+
+TILES = (Tile(128, 128, 32, 64, 64, 3), Tile(128, 64, 32, 64, 32, 4), Tile(64, 64, 32, 32, 32, 4))
+WGRAD_TILES = tuple(WgradTile(*t, chunk=c) for t, c in itertools.product(TILES, (2048, 8192)))
+
+
+def defines(tile: Tile | WgradTile, dtype: torch.dtype) -> dict[str, int]:
+    """The -D template parameters of one compiled variant."""
+    return {"SC_ELEMENT": ELEMENT[dtype], "SC_TB_M": tile.block_m, "SC_TB_N": tile.block_n,
+            "SC_TB_K": tile.block_k, "SC_WARP_M": tile.warp_m, "SC_WARP_N": tile.warp_n, "SC_STAGES": tile.stages}
+
+
+def shipped_variants() -> list[dict[str, int]]:
+    """Every variant the backends may compile (CI compile-checks each for sm_80 and sm_90)."""
+    return [defines(tile, dtype) for dtype in ELEMENT for tile in TILES]
+
+
+class _Kernel(NamedTuple):
+    function: object
+    threads: int
+    shared_bytes: int
+
+
+@functools.cache
+def _kernels(tile: Tile, dtype: torch.dtype, device_index: int) -> dict[str, _Kernel]:
+    import cupy
+
+    device = torch.device("cuda", device_index)
+    module = cuda_jit.load(SOURCE, defines(tile, dtype), device)
+    with cupy.cuda.Device(device_index):
+        info = cupy.ndarray((len(KERNELS), 2), cupy.int32, module.get_global("sc_launch_info")).get()
+        kernels = {}
+        for name, (threads, shared) in zip(KERNELS, info.tolist()):
+            function = module.get_function(name)
+            function.max_dynamic_shared_size_bytes = shared
+            kernels[name] = _Kernel(function, threads, shared)
+    return kernels
+
+
+def prefetch(dtype: torch.dtype, device: torch.device) -> None:
+    """Compile every tile of ``dtype`` for ``device`` in parallel, once per process."""
+    _prefetch(dtype, cuda_jit.arch_of(device))
+
+
+@functools.cache
+def _prefetch(dtype: torch.dtype, arch: str) -> None:
+    cuda_jit.compile_all(SOURCE, [defines(t, dtype) for t in TILES], arch)
+
+
+def _argument(value):
+    if isinstance(value, torch.Tensor):
+        return np.uint64(value.data_ptr())
+    if isinstance(value, np.generic):
+        return value
+    return np.int32(value)
+
+
+def _launch(kernel: _Kernel, grid: tuple[int, int, int], device: torch.device, *args) -> None:
+    import cupy
+
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream, device.index):
+        kernel.function(grid, (kernel.threads,), tuple(_argument(a) for a in args), shared_mem=kernel.shared_bytes)
+
+
+def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """cutlass_grouped writes every element (tests poison this buffer to prove it)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _size_bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# ---------------------------------------------------------------- cutlass_grouped ---------------
+
+def _gather_table(kernel_map: KernelMap, forward: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """((K, rows) int32 source row per sorted slot and offset, (rows,) int32 row of each slot, source rows).
+
+    "No neighbour" points at the source's row ``source rows``, an all-zero row appended per call.
+    """
+    table = kernel_map.neighbors if forward else kernel_map.derived("transposed_table", transposed_table)
+    sources = kernel_map.num_in if forward else kernel_map.num_out
+    order = row_order(table, True)
+    sorted_table = table[order.long()]
+    sorted_table = torch.where(sorted_table >= 0, sorted_table, torch.full_like(sorted_table, sources))
+    return sorted_table.t().contiguous().to(torch.int32), order, sources
+
+
+def _active_offsets(table: torch.Tensor, sources: int, block_m: int) -> torch.Tensor:
+    """(tiles, K) uint8: 1 where some slot of the tile has a neighbour through that offset."""
+    offsets, rows = table.shape
+    tiles = math.ceil(rows / block_m)
+    present = torch.zeros((offsets, tiles * block_m), dtype=torch.bool, device=table.device)
+    present[:, :rows] = table != sources
+    return present.view(offsets, tiles, block_m).any(2).t().contiguous().to(torch.uint8)
+
+
+@autotune(TILES, key=("op", "dtype", "channels", "rows"))
+def _grouped(tile: Tile, source: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap,
+             forward: bool) -> None:
+    table, order, sources = kernel_map.derived(("cutlass_rows", forward), lambda m: _gather_table(m, forward))
+    active = kernel_map.derived(("cutlass_active", forward, tile.block_m),
+                                lambda m: _active_offsets(table, sources, tile.block_m))
+    rows, cols = out.shape
+    reduce = source.shape[1]
+    kernel = _kernels(tile, source.dtype, out.device.index)["sc_rows_ab" if forward else "sc_rows_abt"]
+    grid = (math.ceil(rows / tile.block_m), math.ceil(cols / tile.block_n), 1)
+    _launch(kernel, grid, out.device, source, w, table, order, active, out, rows, reduce, cols, table.shape[0])
+
+
+def run_grouped(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor,
+                kernel_map: KernelMap) -> torch.Tensor:
+    forward = namespace == "AB_gather_scatter"
+    w = b.contiguous()
+    c_in, c_out = w.shape[1], w.shape[2]
+    rows, reduce, cols = (kernel_map.num_out, c_in, c_out) if forward else (kernel_map.num_in, c_out, c_in)
+    out = new_output((rows, cols), a)
+    if out.numel() == 0 or reduce == 0 or kernel_map.kernel_volume == 0:
+        return out.zero_()
+    prefetch(a.dtype, a.device)
+    source = torch.cat([a.contiguous(), a.new_zeros((1, reduce))])
+    _grouped(source, w, out, kernel_map, forward, op=namespace, dtype=str(a.dtype),
+             channels=f"{c_in}x{c_out}", rows=f"{_size_bucket(rows)}k{kernel_map.kernel_volume}")
+    return out
+
+
+# ---------------------------------------------------------------- cutlass_implicit_gemm ---------
+
+@autotune(TILES, key=("op", "dtype", "channels", "rows"))
+def _pairs(tile: Tile, a: torch.Tensor, w: torch.Tensor, kernel_map: KernelMap, forward: bool) -> torch.Tensor:
+    """(rows, cols) fp32: the per-offset launches accumulate into it (a fresh one per call)."""
+    in_idx, out_idx, _ = kernel_map.pairs
+    gather, scatter = (in_idx, out_idx) if forward else (out_idx, in_idx)
+    rows, cols = (kernel_map.num_out, w.shape[2]) if forward else (kernel_map.num_in, w.shape[1])
+    reduce = a.shape[1]
+    out = torch.zeros((rows, cols), dtype=torch.float32, device=a.device)
+    kernel = _kernels(tile, a.dtype, out.device.index)["sc_pairs_ab" if forward else "sc_pairs_abt"]
+    w_stride = w.shape[1] * w.shape[2] * w.element_size()
+    start = 0
+    for k, count in enumerate(kernel_map.pair_counts):
+        if count:
+            grid = (math.ceil(count / tile.block_m), math.ceil(cols / tile.block_n), 1)
+            _launch(kernel, grid, out.device, a, np.uint64(w.data_ptr() + k * w_stride),
+                    np.uint64(gather.data_ptr() + 4 * start), np.uint64(scatter.data_ptr() + 4 * start),
+                    out, count, reduce, cols)
+        start += count
+    return out
+
+
+def run_implicit(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor,
+                 kernel_map: KernelMap) -> torch.Tensor:
+    forward = namespace == "AB_gather_scatter"
+    a, w = a.contiguous(), b.contiguous()
+    c_in, c_out = w.shape[1], w.shape[2]
+    rows, cols = (kernel_map.num_out, c_out) if forward else (kernel_map.num_in, c_in)
+    if not (kernel_map.num_pairs and a.shape[1] and cols):
+        return a.new_zeros((rows, cols))
+    prefetch(a.dtype, a.device)
+    out = _pairs(a, w, kernel_map, forward, op=namespace, dtype=str(a.dtype), channels=f"{c_in}x{c_out}",
+                 rows=f"{_size_bucket(kernel_map.num_pairs)}k{kernel_map.kernel_volume}")
+    return out.to(a.dtype)
+
+
+# ---------------------------------------------------------------- cutlass_splitk_wgrad ----------
+
+def _chunks(kernel_map: KernelMap, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """((chunks, 2) int32 (first pair, pair count), (chunks,) int64 offset of each chunk)."""
+    table, owners, start = [], [], 0
+    for k, count in enumerate(kernel_map.pair_counts):
+        for first in range(0, count, chunk):
+            table.append((start + first, min(chunk, count - first)))
+            owners.append(k)
+        start += count
+    device = kernel_map.neighbors.device
+    return (torch.tensor(table, dtype=torch.int32, device=device).view(-1, 2),
+            torch.tensor(owners, dtype=torch.int64, device=device))
+
+
+@autotune(WGRAD_TILES, key=("dtype", "channels", "pairs"))
+def _wgrad(tile: WgradTile, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
+    in_idx, out_idx, _ = kernel_map.pairs
+    chunks, owners = kernel_map.derived(("cutlass_chunks", tile.chunk), lambda m: _chunks(m, tile.chunk))
+    c_in, c_out = a.shape[1], b.shape[1]
+    partial = torch.empty((chunks.shape[0], c_in, c_out), dtype=torch.float32, device=a.device)
+    kernel = _kernels(Tile(*tile[:6]), a.dtype, a.device.index)["sc_chunks_atb"]
+    grid = (math.ceil(c_in / tile.block_m), math.ceil(c_out / tile.block_n), chunks.shape[0])
+    _launch(kernel, grid, a.device, a, b, in_idx, out_idx, chunks, partial, c_in, c_out)
+    dw = torch.zeros((kernel_map.kernel_volume, c_in, c_out), dtype=torch.float32, device=a.device)
+    return dw.index_add_(0, owners, partial)
+
+
+def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor,
+              kernel_map: KernelMap) -> torch.Tensor:
+    a, b = a.contiguous(), b.contiguous()
+    c_in, c_out = a.shape[1], b.shape[1]
+    if not (kernel_map.num_pairs and c_in and c_out):
+        return a.new_zeros((kernel_map.kernel_volume, c_in, c_out))
+    prefetch(a.dtype, a.device)
+    return _wgrad(a, b, kernel_map, dtype=str(a.dtype), channels=f"{c_in}x{c_out}",
+                  pairs=f"{_size_bucket(kernel_map.num_pairs)}k{kernel_map.kernel_volume}").to(a.dtype)
+
+
+# ---------------------------------------------------------------- registration ------------------
+
+def unsupported(problem: ConvProblem) -> str | None:
+    """Why the CUTLASS backends cannot run ``problem`` here, or None."""
+    if problem.device.type != "cuda":
+        return "CUTLASS backends run on CUDA devices only"
+    if problem.dtype not in ELEMENT:
+        return f"CUTLASS backends take float16, bfloat16 or float32 (as tf32), not {problem.dtype}"
+    if problem.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return ("float32 runs through tf32 tensor ops, which torch.backends.cuda.matmul.allow_tf32 forbids; "
+                "exact float32 runs on the other backends")
+    vector = 16 // torch.empty((), dtype=problem.dtype).element_size()
+    if problem.in_channels % vector or problem.out_channels % vector:
+        return (f"{problem.dtype} channel counts must be multiples of {vector} for 16-byte loads, got "
+                f"in_channels={problem.in_channels}, out_channels={problem.out_channels}")
+    reason = cuda_jit.unavailable()
+    if reason is not None:
+        return reason
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "CuPy is not installed: pip install 'sparseconv[cuda13]' (or [cuda12])"
+    if torch.cuda.get_device_capability(problem.device) < (8, 0):
+        return "CUTLASS backends use sm_80 tensor ops: compute capability 8.0 or newer"
+    return None
+
+
+def _pool(problem: ConvProblem, level: str) -> list[Mapping]:
+    return [{}] if problem.device.type == "cuda" else []
+
+
+def _heuristic(problem: ConvProblem) -> float:
+    return 0.5 if problem.device.type == "cuda" else -5.0
+
+
+CUTLASS_GROUPED = register(Backend(
+    name="cutlass_grouped", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_grouped,
+    supports=unsupported, pool=_pool, heuristic=_heuristic))
+CUTLASS_IMPLICIT_GEMM = register(Backend(
+    name="cutlass_implicit_gemm", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_implicit,
+    supports=unsupported, pool=_pool, heuristic=_heuristic))
+CUTLASS_SPLITK_WGRAD = register(Backend(
+    name="cutlass_splitk_wgrad", ops=frozenset({"AtB_gather_gather"}), run=run_wgrad,
+    supports=unsupported, pool=_pool, heuristic=_heuristic))

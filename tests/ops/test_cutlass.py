@@ -1,0 +1,188 @@
+"""The CUTLASS backends: every shipped variant compiles (no GPU needed), the compile cache and the
+refusals behave, and on a GPU every backend × product × dtype equals explicit_gemm."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conv_cases import MODES, make_input
+from sparse_reference import relative_error
+
+from sparseconv.coords import KernelMapKey
+from sparseconv.ops import sparse_conv3d
+from sparseconv.ops.backends import cuda_jit, cutlass_gemm, explicit, get
+from sparseconv.ops.problem import ConvProblem
+
+needs_toolchain = pytest.mark.skipif(cuda_jit.unavailable() is not None, reason=str(cuda_jit.unavailable()))
+OPS = {
+    "cutlass_grouped": ("AB_gather_scatter", "ABt_gather_scatter"),
+    "cutlass_implicit_gemm": ("AB_gather_scatter", "ABt_gather_scatter"),
+    "cutlass_splitk_wgrad": ("AtB_gather_gather",),
+}
+
+
+@pytest.fixture
+def allow_tf32():
+    """Set torch's tf32 switch for one test (a property torch reads through, so monkeypatch cannot undo it)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+
+    def set_to(value: bool) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = value
+
+    yield set_to
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _problem(**overrides) -> ConvProblem:
+    fields = dict(num_in=100, num_out=100, in_channels=16, out_channels=32, kernel_size=(3, 3, 3),
+                  stride=(1, 1, 1), dilation=(1, 1, 1), transposed=False, generative=False,
+                  dtype=torch.float16, device=torch.device("cuda"))
+    return ConvProblem(**{**fields, **overrides})
+
+
+@needs_toolchain
+def test_every_shipped_variant_compiles_for_sm80_and_sm90():
+    jobs = [(variant, arch) for arch in ("sm_80", "sm_90") for variant in cutlass_gemm.shipped_variants()]
+    futures = [cuda_jit.compile_async(cutlass_gemm.SOURCE, variant, arch) for variant, arch in jobs]
+    for (variant, arch), future in zip(jobs, futures):
+        cubin = future.result().read_bytes()
+        for name in (*cutlass_gemm.KERNELS, "sc_launch_info"):
+            assert name.encode() in cubin, f"{name} missing from {variant} {arch}"
+
+
+@needs_toolchain
+def test_a_cached_cubin_is_reused_without_running_nvcc(monkeypatch):
+    variant = cutlass_gemm.shipped_variants()[-1]
+    first = cuda_jit.compile_async(cutlass_gemm.SOURCE, variant, "sm_80").result()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("nvcc ran although the cubin is cached")
+
+    monkeypatch.setattr(cuda_jit.subprocess, "run", no_compiler)
+    assert cuda_jit._compile(cutlass_gemm.SOURCE, variant, "sm_80", first) == first
+    other_arch = cuda_jit.cubin_path(cutlass_gemm.SOURCE, variant, "sm_90")
+    other_tile = cuda_jit.cubin_path(cutlass_gemm.SOURCE, {**variant, "SC_STAGES": 5}, "sm_80")
+    assert len({first, other_arch, other_tile}) == 3
+
+
+@needs_toolchain
+def test_a_failed_compile_names_the_variant_and_leaves_no_file():
+    variant = {**cutlass_gemm.shipped_variants()[0], "SC_ELEMENT": 7}
+    path = cuda_jit.cubin_path(cutlass_gemm.SOURCE, variant, "sm_80")
+    with pytest.raises(RuntimeError, match="SC_ELEMENT must be 0"):
+        cuda_jit.compile_async(cutlass_gemm.SOURCE, variant, "sm_80").result()
+    assert not path.exists() and not list(path.parent.glob("tmp*.cubin"))
+
+
+def test_missing_nvcc_is_the_stated_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSECONV_NVCC", str(tmp_path / "no-nvcc"))
+    cuda_jit._toolchain.cache_clear()
+    try:
+        assert "nvcc not found" in cuda_jit.unavailable()
+        reason = cutlass_gemm.unsupported(_problem())
+        assert reason is not None and "nvcc" in reason
+    finally:
+        monkeypatch.undo()
+        cuda_jit._toolchain.cache_clear()
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"device": torch.device("cpu")}, "CUDA devices only"),
+    ({"in_channels": 13}, "in_channels=13"),
+    ({"dtype": torch.float32, "out_channels": 6}, "multiples of 4"),
+    ({"dtype": torch.float64}, "float16, bfloat16 or float32"),
+])
+def test_problems_the_cutlass_backends_refuse_say_why(overrides, expected, allow_tf32):
+    allow_tf32(True)
+    assert expected in cutlass_gemm.unsupported(_problem(**overrides))
+
+
+def test_float32_without_tf32_is_refused(allow_tf32):
+    allow_tf32(False)
+    assert "allow_tf32" in cutlass_gemm.unsupported(_problem(dtype=torch.float32))
+
+
+def test_pinning_a_cutlass_backend_where_it_cannot_run_raises_the_reason():
+    mode = next(m for m in MODES if m.name == "submanifold_k3")
+    x = make_input(mode, 8, "cpu", dtype=torch.float32, n=30, extent=5)
+    weight = torch.randn(27, 8, 8)
+    with pytest.raises(ValueError, match="cutlass_grouped.*CUDA devices only"):
+        sparse_conv3d(x, weight, kernel_size=3, fwd_algo="cutlass_grouped")
+
+
+# ------------------------------------------------------------------------------- GPU ------------
+
+CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k3_s2", "generative_k3_s1")]
+TOLERANCE = {torch.float32: 3e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(cutlass_gemm, "new_output",
+                        lambda shape, like: torch.full(shape, float("nan"), dtype=like.dtype, device=like.device))
+
+
+@pytest.mark.gpu
+@needs_toolchain
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("channels", [(16, 32), (96, 64), (128, 256), (256, 8)], ids=lambda c: f"c{c[0]}x{c[1]}")
+@pytest.mark.parametrize("mode", CASES, ids=str)
+def test_cutlass_backends_match_explicit_gemm(mode, channels, dtype, poisoned_outputs, allow_tf32):
+    allow_tf32(True)
+    c_in, c_out = channels
+    x = make_input(mode, c_in, "cuda", dtype=dtype, n=6000, extent=40)
+    key = KernelMapKey(x.coord_id, mode.kernel_size if isinstance(mode.kernel_size, tuple) else (mode.kernel_size,) * 3,
+                       (mode.stride,) * 3, (1, 1, 1), mode.transposed, mode.generative)
+    kernel_map, _ = x.cache.kernel_map(key)
+    weight = torch.randn(kernel_map.kernel_volume, c_in, c_out, device="cuda", dtype=dtype) / c_in ** 0.5
+    grad_out = torch.randn(kernel_map.num_out, c_out, device="cuda", dtype=dtype)
+    operands = {
+        "AB_gather_scatter": (x.feats, weight),
+        "ABt_gather_scatter": (grad_out, weight),
+        "AtB_gather_gather": (x.feats, grad_out),
+    }
+    problem = dataclasses.replace(_problem(), num_in=kernel_map.num_in, num_out=kernel_map.num_out,
+                                  in_channels=c_in, out_channels=c_out, kernel_size=kernel_map.kernel_size,
+                                  transposed=mode.transposed, generative=mode.generative, dtype=dtype,
+                                  device=x.device)
+    for name, namespaces in OPS.items():
+        backend = get(name)
+        assert backend.supports(problem) is None
+        for namespace in namespaces:
+            a, b = operands[namespace]
+            out = backend.run(namespace, problem, {}, a, b, kernel_map)
+            ref = explicit.run(namespace, problem, {}, a.double(), b.double(), kernel_map)
+            assert out.dtype == dtype and out.shape == ref.shape
+            assert bool(torch.isfinite(out).all()), f"{name} {namespace}: unwritten or non-finite output"
+            assert relative_error(out, ref) < TOLERANCE[dtype], f"{name} {namespace}"
+
+
+@pytest.mark.gpu
+@needs_toolchain
+def test_every_inner_cutlass_config_matches_explicit_gemm():
+    """The autotuner may pick any tile: each one must be right, not only the winner."""
+    mode = CASES[0]
+    x = make_input(mode, 64, "cuda", dtype=torch.float16, n=6000, extent=40)
+    key = KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False)
+    kernel_map, _ = x.cache.kernel_map(key)
+    weight = torch.randn(27, 64, 64, device="cuda", dtype=torch.float16) / 8
+    grad_out = torch.randn(kernel_map.num_out, 64, device="cuda", dtype=torch.float16)
+    problem = dataclasses.replace(_problem(), num_in=kernel_map.num_in, num_out=kernel_map.num_out,
+                                  in_channels=64, out_channels=64)
+    cutlass_gemm.prefetch(torch.float16, x.device)
+    for tile in cutlass_gemm.TILES:
+        for forward, (a, namespace) in ((True, (x.feats, "AB_gather_scatter")), (False, (grad_out, "ABt_gather_scatter"))):
+            ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
+            out = torch.full(ref.shape, float("nan"), dtype=torch.float16, device="cuda")
+            source = torch.cat([a, a.new_zeros((1, a.shape[1]))])
+            cutlass_gemm._grouped.__wrapped__(tile, source, weight, out, kernel_map, forward)
+            assert relative_error(out, ref) < 5e-3, f"grouped {tile} {namespace}"
+            out = cutlass_gemm._pairs.__wrapped__(tile, a, weight, kernel_map, forward)
+            assert relative_error(out, ref) < 5e-3, f"pairs {tile} {namespace}"
+    ref = explicit.run("AtB_gather_gather", problem, {}, x.feats.double(), grad_out.double(), kernel_map)
+    for tile in cutlass_gemm.WGRAD_TILES:
+        out = cutlass_gemm._wgrad.__wrapped__(tile, x.feats, grad_out, kernel_map)
+        assert relative_error(out, ref) < 5e-3, f"wgrad {tile}"
+
