@@ -36,6 +36,7 @@ from .registry import Backend, register
 
 SOURCE = "sparse_gemm.cu"
 ELEMENT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+MAX_GRID_Z = 65535
 KERNELS = ("sc_rows_ab", "sc_rows_abt", "sc_pairs_ab", "sc_pairs_abt", "sc_chunks_atb")
 
 
@@ -128,6 +129,12 @@ def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
+def _pairs_int32(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map's CSR pairs (in_idx, out_idx) as the int32 index vectors CUTLASS gathers with."""
+    in_idx, out_idx, _ = kernel_map.pairs
+    return in_idx.to(torch.int32), out_idx.to(torch.int32)
+
+
 def _size_bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -190,7 +197,7 @@ def run_grouped(namespace: str, problem: ConvProblem, params: Mapping, a: torch.
 @autotune(TILES, key=("op", "dtype", "channels", "rows"))
 def _pairs(tile: Tile, a: torch.Tensor, w: torch.Tensor, kernel_map: KernelMap, forward: bool) -> torch.Tensor:
     """(rows, cols) fp32: the per-offset launches accumulate into it (a fresh one per call)."""
-    in_idx, out_idx, _ = kernel_map.pairs
+    in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)
     gather, scatter = (in_idx, out_idx) if forward else (out_idx, in_idx)
     rows, cols = (kernel_map.num_out, w.shape[2]) if forward else (kernel_map.num_in, w.shape[1])
     reduce = a.shape[1]
@@ -226,6 +233,7 @@ def run_implicit(namespace: str, problem: ConvProblem, params: Mapping, a: torch
 
 def _chunks(kernel_map: KernelMap, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """((chunks, 2) int32 (first pair, pair count), (chunks,) int64 offset of each chunk)."""
+    chunk = max(chunk, math.ceil(kernel_map.num_pairs / MAX_GRID_Z))  # one grid z-index per chunk
     table, owners, start = [], [], 0
     for k, count in enumerate(kernel_map.pair_counts):
         for first in range(0, count, chunk):
@@ -239,7 +247,7 @@ def _chunks(kernel_map: KernelMap, chunk: int) -> tuple[torch.Tensor, torch.Tens
 
 @autotune(WGRAD_TILES, key=("dtype", "channels", "pairs"))
 def _wgrad(tile: WgradTile, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
-    in_idx, out_idx, _ = kernel_map.pairs
+    in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)
     chunks, owners = kernel_map.derived(("cutlass_chunks", tile.chunk), lambda m: _chunks(m, tile.chunk))
     c_in, c_out = a.shape[1], b.shape[1]
     partial = torch.empty((chunks.shape[0], c_in, c_out), dtype=torch.float32, device=a.device)
