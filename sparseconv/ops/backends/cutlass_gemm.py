@@ -116,11 +116,32 @@ def _argument(value):
     return np.int32(value)
 
 
+class _StreamHandle:
+    """A raw CUDA stream in the __cuda_stream__ protocol that CuPy adopts."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(handle: int, device_index: int):
+    """torch's stream as a CuPy stream, so that our launches are ordered with torch's work."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14
+            return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+        return cupy.cuda.ExternalStream(handle, device_index)
+
+
 def _launch(kernel: _Kernel, grid: tuple[int, int, int], device: torch.device, *args) -> None:
     import cupy
 
-    stream = torch.cuda.current_stream(device).cuda_stream
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream, device.index):
+    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    with cupy.cuda.Device(device.index), stream:
         kernel.function(grid, (kernel.threads,), tuple(_argument(a) for a in args), shared_mem=kernel.shared_bytes)
 
 
