@@ -6,7 +6,9 @@ fails before the first batch, and passed down unchanged; the tuner honours them 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -22,9 +24,7 @@ def check_algo(algo: Pin, namespace: str) -> str | tuple[str, ...] | None:
     """Validate a pin early: None, a mode (auto / trimmed / all), a backend name or a list of names."""
     if algo is None:
         return None
-    from ..tune.pools import parse_mode
-
-    parse_mode(algo, namespace, PIN_ARGUMENT[namespace])
+    _tune().pools.checked_mode(algo, namespace, PIN_ARGUMENT[namespace])
     return algo if isinstance(algo, str) else tuple(algo)
 
 
@@ -38,6 +38,17 @@ def dispatch(
     record: dict[str, str] | None = None,
 ) -> torch.Tensor:
     """Run product ``namespace`` of ``problem`` with the algorithm the pin or the tuner picks."""
-    from ..tune import get_tuner
+    return _tune().get_tuner().run(namespace, problem, algo, a, b, kernel_map, record)
 
-    return get_tuner().run(namespace, problem, algo, a, b, kernel_map, record)
+
+@functools.cache
+def _tune() -> ModuleType:
+    """The tuner package, imported on first use: importing sparseconv must not load it.
+
+    Kept instead of a function-level import because that costs ~1 µs, and a conv call makes up
+    to six (three pin checks, three dispatches).
+    """
+    from .. import tune
+    from ..tune import pools  # noqa: F401 - tune.pools is used through the package
+
+    return tune

@@ -62,14 +62,53 @@ def parse_mode(value: str | Sequence[str], namespace: str, source: str) -> AlgoM
     return AlgoMode(None, tuple(dict.fromkeys(names)), source)
 
 
+DEFAULT_MODE = AlgoMode("auto", (), "default")
+
+# Parsed modes by (value, namespace, source), with the backends each names. Every conv call
+# resolves three modes; parsing one (a registry scan and sort per name) cost ~3 µs, a third of
+# the tuner's per-call time on a small layer. Entries are keyed on the raw value, so a changed
+# pin or environment variable parses afresh, and a hit is used only while the backends it names
+# are still the registered ones, so an unregistered or replaced backend is checked again.
+_PARSED: dict[tuple, tuple[AlgoMode, tuple[registry.Backend, ...]]] = {}
+_PARSED_LIMIT = 1024
+
+
+def checked_mode(value: str | Sequence[str], namespace: str, source: str) -> AlgoMode:
+    """:func:`parse_mode`, remembered while the backends it names stay registered."""
+    if isinstance(value, str):
+        memo = (value, namespace, source)
+    elif isinstance(value, list | tuple) and all(isinstance(n, str) for n in value):
+        memo = (tuple(value), namespace, source)
+    else:
+        return parse_mode(value, namespace, source)  # not a valid mode: let it say why
+    hit = _PARSED.get(memo)
+    if hit is not None and _registered(hit[1]):
+        return hit[0]
+    mode = parse_mode(value, namespace, source)
+    if len(_PARSED) >= _PARSED_LIMIT:  # a program generating pins must not grow this forever
+        _PARSED.clear()
+    _PARSED[memo] = (mode, tuple(registry.get(name) for name in mode.names))
+    return mode
+
+
+def _registered(backends: tuple[registry.Backend, ...]) -> bool:
+    try:
+        for backend in backends:
+            if registry.get(backend.name) is not backend:
+                return False
+    except KeyError:
+        return False
+    return True
+
+
 def resolve_mode(namespace: str, pin: str | Sequence[str] | None) -> AlgoMode:
     """The call's pin if given, else the namespace's environment variable, else auto."""
     if pin is not None:
-        return parse_mode(pin, namespace, PIN_ARGUMENT[namespace])
+        return checked_mode(pin, namespace, PIN_ARGUMENT[namespace])
     variable, value = config.algo_mode(namespace)
     if value is not None:
-        return parse_mode(value, namespace, variable)
-    return AlgoMode("auto", (), "default")
+        return checked_mode(value, namespace, variable)
+    return DEFAULT_MODE
 
 
 def candidate_pool(namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str) -> list[Candidate]:

@@ -64,7 +64,7 @@ class Tuner:
 
     def __init__(self, cache: TuneCache | None = None) -> None:
         self._cache = cache
-        self._choices: dict[tuple, Candidate] = {}
+        self._choices: dict[tuple, tuple[Candidate, registry.Backend]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -85,25 +85,47 @@ class Tuner:
         record: dict[str, str] | None = None,
     ) -> torch.Tensor:
         """Compute ``namespace`` of ``problem`` with the chosen candidate; note its id in ``record``."""
+        candidate, backend = self.choose(namespace, problem, pin, a, b, kernel_map)
+        if record is not None:
+            record[namespace] = candidate.id
+        return _execute(namespace, problem, candidate, backend, a, b, kernel_map)
+
+    def choose(
+        self,
+        namespace: str,
+        problem: ConvProblem,
+        pin: str | Sequence[str] | None,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        kernel_map: KernelMap,
+    ) -> tuple[Candidate, registry.Backend]:
+        """The candidate for ``namespace`` of ``problem`` and its backend; ``a``, ``b`` are timed if it must tune.
+
+        Decided once per (problem or key, mode, effort) and then remembered for the process: a
+        small layer's call costs a few µs of host time here, not a pool build or a key hash.
+        """
         mode = resolve_mode(namespace, pin)
         if mode.single:
-            candidate = candidate_pool(namespace, problem, mode, "quick")[0]
+            # A named backend's candidate depends on the problem only, never on the map's density.
+            memo: tuple = (namespace, problem, mode.names)
+            effort = "quick"
         else:
             effort = config.autotune_effort()
             # The key is a function of the map and the problem: keep it with the map, so the hot
             # path (every conv call) hashes it instead of rebuilding it.
             key = kernel_map.derived(("tune_key", namespace, problem), lambda m: make_key(namespace, problem, m))
             memo = (key, mode.level, mode.names, effort)
-            candidate = self._choices.get(memo)
-            if candidate is None:
-                with self._lock:
-                    candidate = self._choices.get(memo)
-                    if candidate is None:
+        choice = self._choices.get(memo)
+        if choice is None or not _current(choice):
+            with self._lock:
+                choice = self._choices.get(memo)
+                if choice is None or not _current(choice):
+                    if mode.single:
+                        candidate = candidate_pool(namespace, problem, mode, effort)[0]
+                    else:
                         candidate = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map)
-                        self._choices[memo] = candidate
-        if record is not None:
-            record[namespace] = candidate.id
-        return _execute(namespace, problem, candidate, a, b, kernel_map)
+                    choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
+        return choice
 
     def _decide(
         self,
@@ -220,8 +242,18 @@ def _known(candidate_id: str) -> Candidate | None:
     return None
 
 
-def _execute(namespace: str, problem: ConvProblem, candidate: Candidate, a, b, kernel_map: KernelMap) -> torch.Tensor:
-    backend = registry.get(candidate.backend)
+def _current(choice: tuple[Candidate, registry.Backend]) -> bool:
+    """Whether a remembered choice's backend is still the registered one (tests swap fakes in and out)."""
+    candidate, backend = choice
+    try:
+        return registry.get(candidate.backend) is backend
+    except KeyError:
+        return False
+
+
+def _execute(
+    namespace: str, problem: ConvProblem, candidate: Candidate, backend: registry.Backend, a, b, kernel_map: KernelMap
+) -> torch.Tensor:
     try:
         return backend.run(namespace, problem, candidate.params_dict, a, b, kernel_map)
     except Exception as error:  # noqa: BLE001 - a tuned choice that fails later (e.g. OOM) falls back

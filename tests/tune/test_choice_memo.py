@@ -1,0 +1,116 @@
+"""The per-process memo of choices and parsed modes: fast repeats, never a stale answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conv_cases import MODES, make_input
+from fakes import Calls, fast, registered, slow
+
+import sparseconv.tune
+import sparseconv.tune.tuner
+from sparseconv.ops import sparse_conv3d
+from sparseconv.ops.backends import Backend, explicit
+from sparseconv.ops.dispatch import check_algo
+from sparseconv.ops.problem import NAMESPACES
+
+SUBMANIFOLD = MODES[1]
+
+
+def conv(x, record=None, **pins):
+    feats = x.feats.clone().requires_grad_()
+    weight = torch.randn(27, 4, 5, requires_grad=True)
+    out = sparse_conv3d(x.replace(feats), weight, record=record, **pins)
+    out.feats.backward(torch.randn_like(out.feats))
+    return record
+
+
+@pytest.fixture
+def x():
+    return make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float32, n=300)
+
+
+def test_a_repeated_pinned_call_builds_its_candidate_once(monkeypatch, x):
+    built = Calls()
+    pool = sparseconv.tune.tuner.candidate_pool
+
+    def counting_pool(namespace, *args):
+        built.add("pool", namespace)
+        return pool(namespace, *args)
+
+    monkeypatch.setattr(sparseconv.tune.tuner, "candidate_pool", counting_pool)
+    pins = {f"{p}_algo": "explicit_gemm" for p in ("fwd", "dgrad", "wgrad")}
+    for _ in range(3):
+        conv(x, **pins)
+    assert [built.of("pool", ns) for ns in NAMESPACES] == [1, 1, 1]
+
+
+def test_an_environment_mode_changed_after_the_first_call_is_honoured(monkeypatch, x):
+    calls = Calls()
+    with registered(slow(calls, delay_s=0.0)):
+        monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "explicit_gemm")
+        monkeypatch.setenv("SPARSECONV_DGRAD_ALGO_MODE", "explicit_gemm")
+        assert conv(x, {})["ABt_gather_scatter"] == "explicit_gemm"
+        monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "fake_slow")
+        monkeypatch.setenv("SPARSECONV_DGRAD_ALGO_MODE", "fake_slow")
+        record = conv(x, {})
+        assert record["AB_gather_scatter"] == record["ABt_gather_scatter"] == "fake_slow"
+        monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "[explicit_gemm, fake_slow]")
+        monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "none")
+        monkeypatch.delenv("SPARSECONV_DGRAD_ALGO_MODE")
+        record = conv(x, {})
+    # effort none takes the pool's first by heuristic, then name: explicit_gemm before fake_slow
+    assert record["AB_gather_scatter"] == "explicit_gemm" and record["ABt_gather_scatter"] != "fake_slow"
+
+
+def test_a_pin_changed_between_calls_on_one_map_is_honoured(x):
+    calls = Calls()
+    with registered(slow(calls, delay_s=0.0)):
+        assert conv(x, {}, fwd_algo="explicit_gemm")["AB_gather_scatter"] == "explicit_gemm"
+        assert conv(x, {}, fwd_algo="fake_slow")["AB_gather_scatter"] == "fake_slow"
+        assert conv(x, {}, fwd_algo=["fake_slow"])["AB_gather_scatter"] == "fake_slow"
+    assert calls.of("fake_slow", "AB_gather_scatter") == 2
+
+
+def test_an_unregistered_or_replaced_pinned_backend_is_not_remembered(x):
+    first, second = Calls(), Calls()
+    wgrad_only = frozenset({"AtB_gather_gather"})  # kept out of the forward and dgrad pools
+    with registered(slow(first, "fake_pinned", delay_s=0.0, ops=wgrad_only)):
+        conv(x, wgrad_algo="fake_pinned")
+        assert check_algo("fake_pinned", "AtB_gather_gather") == "fake_pinned"
+    with pytest.raises(ValueError, match="wgrad_algo: unknown algorithm 'fake_pinned'"):
+        check_algo("fake_pinned", "AtB_gather_gather")
+    with pytest.raises(ValueError, match="wgrad_algo: unknown algorithm 'fake_pinned'"):
+        conv(x, wgrad_algo="fake_pinned")
+    with registered(slow(second, "fake_pinned", delay_s=0.0, ops=wgrad_only)):
+        conv(x, wgrad_algo="fake_pinned")
+    assert first.of("fake_pinned") == 1 and second.of("fake_pinned") == 1
+
+
+def test_a_backend_that_joins_later_answers_to_its_pin_at_once(x):
+    calls = Calls()
+    conv(x, fwd_algo="explicit_gemm")
+
+    def run(namespace, problem, params, a, b, kernel_map):
+        calls.add("fake_late", namespace)
+        return explicit.run(namespace, problem, params, a, b, kernel_map)
+
+    with registered(Backend("fake_late", frozenset(NAMESPACES), run)):
+        conv(x, fwd_algo="fake_late")
+    assert calls.of("fake_late", "AB_gather_scatter") == 1
+
+
+def test_choices_do_not_survive_a_tuner_reset(x):
+    calls = Calls()
+    with registered(slow(calls), fast(calls)):
+        conv(x)
+        swept = calls.of("fake_slow")
+        conv(x)
+        assert calls.of("fake_slow") == swept  # remembered: no sweep, fake_fast runs
+        sparseconv.tune.get_tuner().cache.clear()
+        conv(x)
+        assert calls.of("fake_slow") == swept  # clearing the file alone keeps this process's choices
+        sparseconv.tune.reset()
+        sparseconv.tune.get_tuner().cache.clear()
+        conv(x)
+        assert calls.of("fake_slow") > swept  # a fresh tuner with an empty cache sweeps again
