@@ -4,7 +4,7 @@
 //   SC_ELEMENT  0 = half, 1 = bfloat16, 2 = float through tf32 tensor ops
 //   SC_TB_M, SC_TB_N, SC_TB_K   threadblock tile;  SC_WARP_M, SC_WARP_N   warp tile
 //   SC_STAGES   cp.async pipeline depth
-// It defines five extern "C" kernels, all with fp32 accumulation:
+// It defines seven extern "C" kernels, all with fp32 accumulation:
 //   sc_rows_ab, sc_rows_abt   output-stationary over every kernel offset in one launch: a block
 //                             owns BM output rows (visited in the order of a permutation that
 //                             sorts rows by neighbour mask) and accumulates, offset after offset,
@@ -13,6 +13,11 @@
 //   sc_pairs_ab, sc_pairs_abt one kernel offset: D[scatter[p]] += A[gather[p]] @ B_k over the
 //                             offset's pairs (fp32 D; the scatter rows of one offset are unique,
 //                             launches of successive offsets are ordered by the stream).
+//   sc_single_ab, sc_single_abt  maps where every output row has at most one pair (the transposed
+//                             k2 s2 conv; the dgrad of the strided one): all offsets in one
+//                             launch, a block per tile (offset k, first pair, pair count) of at
+//                             most BM pairs, written straight in the output dtype (the rows of
+//                             different blocks never meet).
 //   sc_chunks_atb             dW chunks: for chunk c = (offset k, first pair, pair count),
 //                             W_c = A[gather[pairs]]^T @ B[scatter[pairs]], gathered along the
 //                             reduction dimension of both operands (split-K over the pairs);
@@ -148,6 +153,23 @@ __device__ void pairs_gemm(Element const *a, Element const *w, int const *gather
   store<K, Accumulator>(shared, accumulators, d, cols, scatter, 1.0f, pairs, cols, m0, n0);
 }
 
+// tiles: (blocks, 3) = (offset k, first pair, pair count <= BM) of each block.
+template <typename LayoutB>
+__device__ void single_gemm(Element const *a, Element const *w, int const *gather, int const *scatter,
+                            int const *tiles, Element *d, int reduce, int cols, int ldb) {
+  using K = RowsKernel<LayoutB, Element>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto &shared = *reinterpret_cast<typename K::SharedStorage *>(smem);
+  int const *tile = tiles + 3 * blockIdx.x;
+  int k = tile[0], first = tile[1], count = tile[2];
+  int n0 = blockIdx.y * ThreadblockShape::kN;
+  typename K::Mma::FragmentC accumulators;
+  accumulators.clear();
+  accumulate<K>(shared, accumulators, a, reduce, gather + first, w + (long long)k * reduce * cols, ldb, nullptr,
+                {count, cols, reduce}, 0, n0);
+  store<K, Element>(shared, accumulators, d, cols, scatter + first, 0.0f, count, cols, 0, n0);
+}
+
 }  // namespace sc
 
 using RowMajorB = cutlass::layout::RowMajor;      // B_k = W_k (C_in, C_out), ld = C_out
@@ -179,6 +201,18 @@ sc_pairs_abt(Element const *a, Element const *w_k, int const *gather, int const 
   sc::pairs_gemm<ColumnMajorB>(a, w_k, gather, scatter, d, pairs, reduce, cols, reduce);
 }
 
+extern "C" __global__ void __launch_bounds__(sc::kThreads)
+sc_single_ab(Element const *a, Element const *w, int const *gather, int const *scatter, int const *tiles, Element *d,
+             int reduce, int cols) {
+  sc::single_gemm<RowMajorB>(a, w, gather, scatter, tiles, d, reduce, cols, cols);
+}
+
+extern "C" __global__ void __launch_bounds__(sc::kThreads)
+sc_single_abt(Element const *a, Element const *w, int const *gather, int const *scatter, int const *tiles, Element *d,
+              int reduce, int cols) {
+  sc::single_gemm<ColumnMajorB>(a, w, gather, scatter, tiles, d, reduce, cols, reduce);
+}
+
 // chunks: (num_chunks, 2) = (first pair, pair count); out: (num_chunks, rows_a, cols_b) fp32.
 extern "C" __global__ void __launch_bounds__(sc::kThreads)
 sc_chunks_atb(Element const *a, Element const *b, int const *gather_a, int const *gather_b, int const *chunks,
@@ -197,11 +231,14 @@ sc_chunks_atb(Element const *a, Element const *b, int const *gather_a, int const
                       0.0f, channels_a, channels_b, m0, n0);
 }
 
-// {threads per block, dynamic shared bytes} of sc_rows_ab, sc_rows_abt, sc_pairs_ab, sc_pairs_abt, sc_chunks_atb.
-extern "C" __device__ int sc_launch_info[5][2] = {
+// {threads per block, dynamic shared bytes} of sc_rows_ab, sc_rows_abt, sc_pairs_ab, sc_pairs_abt, sc_chunks_atb,
+// sc_single_ab, sc_single_abt.
+extern "C" __device__ int sc_launch_info[7][2] = {
     {sc::kThreads, sc::shared_bytes<sc::RowsKernel<RowMajorB, Element>>()},
     {sc::kThreads, sc::shared_bytes<sc::RowsKernel<ColumnMajorB, Element>>()},
     {sc::kThreads, sc::shared_bytes<sc::RowsKernel<RowMajorB, sc::Accumulator>>()},
     {sc::kThreads, sc::shared_bytes<sc::RowsKernel<ColumnMajorB, sc::Accumulator>>()},
     {sc::kThreads, sc::shared_bytes<sc::ChunksKernel>()},
+    {sc::kThreads, sc::shared_bytes<sc::RowsKernel<RowMajorB, Element>>()},
+    {sc::kThreads, sc::shared_bytes<sc::RowsKernel<ColumnMajorB, Element>>()},
 };

@@ -15,6 +15,7 @@ overall tuned choice, so the table shows which family wins a cell and by how muc
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import statistics
@@ -28,6 +29,7 @@ from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.data import make_scene
 from sparseconv.ops import sparse_conv3d
+from sparseconv.ops.problem import NAMESPACES
 from sparseconv.tune.timing import Timer, TimingPlan
 
 DEVICE = torch.device("cuda")
@@ -113,11 +115,14 @@ def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int
         "pairs": kernel_map.num_pairs,
         "ours": median_ms(lambda: sparse_conv3d(x, weight, **args), repeats),
         "ours+bwd": median_ms(lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **args).feats.sum().backward(), repeats),
-        "chosen": "/".join(record.get(ns, "?").split("[")[0] for ns in ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")),
+        "chosen": "/".join(record.get(ns, "?").split("[")[0] for ns in NAMESPACES),
+        "detail": "ours: " + " / ".join(record.get(ns, "?") for ns in NAMESPACES),
     }
     for family, pins in FAMILIES.items():
         try:
-            sparse_conv3d(x.replace(leaf_feats), leaf_weight, **args, **pins).feats.sum().backward()  # tunes
+            family_record: dict[str, str] = {}
+            sparse_conv3d(x.replace(leaf_feats), leaf_weight, record=family_record, **args, **pins).feats.sum().backward()
+            result["detail"] += f" {family}: " + " / ".join(family_record.get(ns, "?") for ns in NAMESPACES)
             result[family] = median_ms(lambda: sparse_conv3d(x, weight, **args, **pins), repeats)
             result[family + "+bwd"] = median_ms(
                 lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **args, **pins).feats.sum().backward(), repeats)
@@ -179,7 +184,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the logic (no ceilings, no anchors)")
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
     parser.add_argument("--profile", action="store_true", help="profile one cell's forward+backward (torch.profiler) first")
+    parser.add_argument("--log", action="store_true", help="log the tuner's sweeps and disqualifications to stderr")
     args = parser.parse_args()
+    if args.log:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     global DEVICE
     DEVICE = torch.device(args.device)
     os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
@@ -218,6 +226,7 @@ def main() -> None:
                                       fmt(r["spconv+bwd"]), fmt(r["spconv_triton+bwd"]), fmt(r.get("naive+bwd")),
                                       f"{100 * peak:.0f}%", f"{100 * bw:.0f}%", r["chosen"],
                                       *(fmt(r[f + m]) for m in ("", "+bwd") for f in FAMILIES)]), flush=True)
+                    print(f"# {scene} {dtype_name} {c} {layer} {r['detail']}", flush=True)
                     for mode, suffix in (("fwd", ""), ("fwd+bwd", "+bwd")):
                         peers = [r[p + suffix] for p in ("spconv", "spconv_triton") if isinstance(r[p + suffix], float)]
                         if isinstance(r["spconv" + suffix], float):

@@ -114,7 +114,8 @@ def test_pinning_a_cutlass_backend_where_it_cannot_run_raises_the_reason():
 
 # ------------------------------------------------------------------------------- GPU ------------
 
-CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k3_s2", "generative_k3_s1")]
+CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2", "transposed_k3_s2",
+                                        "generative_k3_s1")]
 TOLERANCE = {torch.float32: 3e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
@@ -181,6 +182,16 @@ def test_every_inner_cutlass_config_matches_explicit_gemm():
             assert relative_error(out, ref) < 5e-3, f"grouped {tile} {namespace}"
             out = cutlass_gemm._pairs.__wrapped__(tile, a, weight, kernel_map, forward)
             assert relative_error(out, ref) < 5e-3, f"pairs {tile} {namespace}"
+    up = next(m for m in MODES if m.name == "transposed_k2_s2")
+    y = make_input(up, 64, "cuda", dtype=torch.float16, n=6000, extent=40)
+    up_map, _ = y.cache.kernel_map(KernelMapKey(y.coord_id, (2, 2, 2), (2, 2, 2), (1, 1, 1), True, False))
+    assert up_map.derived(("cutlass_single", True), lambda m: cutlass_gemm._single_layout(m, True)) == (True, True)
+    up_weight = torch.randn(8, 64, 64, device="cuda", dtype=torch.float16) / 8
+    up_ref = explicit.run("AB_gather_scatter", problem, {}, y.feats.double(), up_weight.double(), up_map)
+    for tile in cutlass_gemm.TILES:
+        out = torch.full(up_ref.shape, float("nan"), dtype=torch.float16, device="cuda")
+        cutlass_gemm._single.__wrapped__(tile, y.feats, up_weight, out, up_map, True)
+        assert relative_error(out, up_ref) < 5e-3, f"single {tile}"
     ref = explicit.run("AtB_gather_gather", problem, {}, x.feats.double(), grad_out.double(), kernel_map)
     for tile in cutlass_gemm.WGRAD_TILES:
         out = cutlass_gemm._wgrad.__wrapped__(tile, x.feats, grad_out, kernel_map)

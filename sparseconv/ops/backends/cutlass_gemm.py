@@ -4,7 +4,9 @@
   block owns a tile of output rows sorted by neighbour mask and accumulates all its offsets in
   registers (offsets no row of the tile uses are skipped); one write per row, deterministic.
 - ``cutlass_implicit_gemm`` (forward, dgrad): one gather-GEMM-scatter launch per offset
-  (CUTLASS's gathered A and scattered D), accumulating into an fp32 output.
+  (CUTLASS's gathered A and scattered D), accumulating into an fp32 output. Where every output
+  row has at most one pair (the transposed k2 s2 conv, the dgrad of the strided one) there is
+  nothing to accumulate: one launch covers all offsets and writes the output dtype directly.
 - ``cutlass_splitk_wgrad`` (wgrad): dW_k = A[in_k]ᵀ · B[out_k] gathered along the pairs in both
   operands, the pairs cut into chunks (split-K) that all run in one launch and are summed after.
 
@@ -37,7 +39,7 @@ from .registry import Backend, register
 SOURCE = "sparse_gemm.cu"
 ELEMENT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 MAX_GRID_Z = 65535
-KERNELS = ("sc_rows_ab", "sc_rows_abt", "sc_pairs_ab", "sc_pairs_abt", "sc_chunks_atb")
+KERNELS = ("sc_rows_ab", "sc_rows_abt", "sc_pairs_ab", "sc_pairs_abt", "sc_chunks_atb", "sc_single_ab", "sc_single_abt")
 
 
 class Tile(NamedTuple):
@@ -146,7 +148,7 @@ def _launch(kernel: _Kernel, grid: tuple[int, int, int], device: torch.device, *
 
 
 def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-    """cutlass_grouped writes every element (tests poison this buffer to prove it)."""
+    """Outputs the kernels write in full (tests poison this buffer to prove it)."""
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
@@ -236,6 +238,33 @@ def _pairs(tile: Tile, a: torch.Tensor, w: torch.Tensor, kernel_map: KernelMap, 
     return out
 
 
+def _single_layout(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
+    """(every output row has at most one pair, every output row has exactly one)."""
+    table = kernel_map.neighbors if forward else kernel_map.derived("transposed_table", transposed_table)
+    per_row = (table >= 0).sum(1)
+    return bool((per_row <= 1).all()), bool((per_row == 1).all())
+
+
+def _single_tiles(kernel_map: KernelMap, block_m: int) -> torch.Tensor:
+    """(blocks, 3) int32: (offset k, first pair, pair count <= block_m) of every block."""
+    tiles, start = [], 0
+    for k, count in enumerate(kernel_map.pair_counts):
+        tiles += [(k, start + first, min(block_m, count - first)) for first in range(0, count, block_m)]
+        start += count
+    return torch.tensor(tiles, dtype=torch.int32, device=kernel_map.neighbors.device).view(-1, 3)
+
+
+@autotune(TILES, key=("op", "dtype", "channels", "rows"))
+def _single(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap,
+            forward: bool) -> None:
+    in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)
+    gather, scatter = (in_idx, out_idx) if forward else (out_idx, in_idx)
+    tiles = kernel_map.derived(("cutlass_single_tiles", tile.block_m), lambda m: _single_tiles(m, tile.block_m))
+    kernel = _kernels(tile, a.dtype, out.device.index)["sc_single_ab" if forward else "sc_single_abt"]
+    grid = (tiles.shape[0], math.ceil(out.shape[1] / tile.block_n), 1)
+    _launch(kernel, grid, out.device, a, w, gather, scatter, tiles, out, a.shape[1], out.shape[1])
+
+
 def run_implicit(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor,
                  kernel_map: KernelMap) -> torch.Tensor:
     forward = namespace == "AB_gather_scatter"
@@ -245,8 +274,14 @@ def run_implicit(namespace: str, problem: ConvProblem, params: Mapping, a: torch
     if not (kernel_map.num_pairs and a.shape[1] and cols):
         return a.new_zeros((rows, cols))
     prefetch(a.dtype, a.device)
-    out = _pairs(a, w, kernel_map, forward, op=namespace, dtype=str(a.dtype), channels=f"{c_in}x{c_out}",
-                 rows=f"{_size_bucket(kernel_map.num_pairs)}k{kernel_map.kernel_volume}")
+    key = dict(op=namespace, dtype=str(a.dtype), channels=f"{c_in}x{c_out}",
+               rows=f"{_size_bucket(kernel_map.num_pairs)}k{kernel_map.kernel_volume}")
+    single, covered = kernel_map.derived(("cutlass_single", forward), lambda m: _single_layout(m, forward))
+    if single:
+        out = new_output((rows, cols), a) if covered else a.new_zeros((rows, cols))
+        _single(a, w, out, kernel_map, forward, **{**key, "op": namespace + ":single"})
+        return out
+    out = _pairs(a, w, kernel_map, forward, **key)
     return out.to(a.dtype)
 
 
