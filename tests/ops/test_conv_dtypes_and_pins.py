@@ -11,6 +11,7 @@ from conv_cases import MODES, make_conv, make_input, reference
 from sparse_reference import relative_error
 
 from sparseconv import SparseTensor
+from sparseconv.coords import KernelMapKey
 from sparseconv.ops import sparse_conv3d
 from sparseconv.ops.backends import Backend, explicit, register, unregister
 
@@ -39,6 +40,20 @@ def test_low_precision_matches_float64_reference(mode, dtype, device):
     assert relative_error(out.feats, ref) < TOLERANCE[dtype]
     assert relative_error(feats.grad, ref_grads[0]) < TOLERANCE[dtype]
     assert relative_error(low.weight.grad, ref_grads[1]) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_explicit_wgrad_sums_long_reductions_in_float32(dtype, device):
+    """The tuner's reference must not round a 10^5-pair reduction in half precision."""
+    mode = next(m for m in MODES if m.name == "submanifold_k3")
+    x = make_input(mode, 16, device, dtype=dtype, n=60_000 if device == "cuda" else 20_000, extent=40)
+    kernel_map = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0]
+    grad_out = torch.randn(kernel_map.num_out, 24, device=device, dtype=dtype)
+    out = explicit.wgrad(x.feats, grad_out, kernel_map)
+    ref = explicit.wgrad(x.feats.double(), grad_out.double(), kernel_map)
+    assert out.dtype == dtype
+    assert relative_error(out, ref) < {torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)

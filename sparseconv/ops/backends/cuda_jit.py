@@ -148,12 +148,16 @@ _LOCK = threading.Lock()
 
 
 def compile_async(source: str, defines: Mapping[str, int], arch: str) -> concurrent.futures.Future:
-    """Start compiling (or find the cached cubin); the future's result is the cubin's path."""
+    """Start compiling (or find the cached cubin); the future's result is the cubin's path.
+
+    A failed compile stays failed for the rest of the process (its future re-raises), so a
+    tuner sweep does not pay for the same failing nvcc run again on every new layer shape.
+    """
     global _POOL
     path = cubin_path(source, defines, arch)
     with _LOCK:
         future = _FUTURES.get(path)
-        if future is None or (future.done() and future.exception() is not None and not path.is_file()):
+        if future is None:
             if _POOL is None:
                 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)),
                                                               thread_name_prefix="sparseconv-nvcc")

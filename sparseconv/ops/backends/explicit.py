@@ -40,14 +40,22 @@ def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tens
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
-    """a: (N_in, C_in) feats, b: (N_out, C_out) output grad -> (K, C_in, C_out) weight grad."""
+    """a: (N_in, C_in) feats, b: (N_out, C_out) output grad -> (K, C_in, C_out) weight grad.
+
+    Half-precision operands are multiplied in fp32: each product reduces over all pairs of an
+    offset (10^5 and more), and cuBLAS's half GEMM may split that reduction and add the parts
+    in half precision (``allow_fp16_reduced_precision_reduction``), which on an H200 put this,
+    the tuner's reference, ~9e-3 away from every fp32-accumulating backend.
+    """
+    dtype, accumulate = a.dtype, accumulator_dtype(a.dtype)
+    a, b = a.to(accumulate), b.to(accumulate)
     out = a.new_zeros((kernel_map.kernel_volume, a.shape[1], b.shape[1]))
     for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
         if k == kernel_map.identity_offset:
             out[k] = torch.mm(a.t(), b)
         elif in_idx.numel():
             out[k] = torch.mm(a[in_idx].t(), b[out_idx])
-    return out
+    return out.to(dtype)
 
 
 _PRODUCTS = dict(zip(NAMESPACES, (forward, dgrad, wgrad)))
