@@ -24,6 +24,7 @@ import functools
 import itertools
 import math
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -42,7 +43,8 @@ MAX_GRID_Z = 65535
 KERNELS = ("sc_rows_ab", "sc_rows_abt", "sc_pairs_ab", "sc_pairs_abt", "sc_chunks_atb", "sc_single_ab", "sc_single_abt")
 
 
-class Tile(NamedTuple):
+@dataclass(frozen=True)
+class Tile:
     """Threadblock tile (m, n, k), warp tile (m, n) and cp.async pipeline stages."""
 
     block_m: int
@@ -53,18 +55,13 @@ class Tile(NamedTuple):
     stages: int
 
 
-class WgradTile(NamedTuple):
-    block_m: int
-    block_n: int
-    block_k: int
-    warp_m: int
-    warp_n: int
-    stages: int
-    chunk: int  # pairs per split-K chunk
+@dataclass(frozen=True)
+class WgradTile(Tile):
+    chunk: int = 2048  # pairs per split-K chunk
 
 
 TILES = (Tile(128, 128, 32, 64, 64, 3), Tile(128, 64, 32, 64, 32, 4), Tile(64, 64, 32, 32, 32, 4))
-WGRAD_TILES = tuple(WgradTile(*t, chunk=c) for t, c in itertools.product(TILES, (2048, 8192)))
+WGRAD_TILES = tuple(WgradTile(**asdict(t), chunk=c) for t, c in itertools.product(TILES, (2048, 8192)))
 
 
 def defines(tile: Tile | WgradTile, dtype: torch.dtype) -> dict[str, int]:
@@ -307,7 +304,7 @@ def _wgrad(tile: WgradTile, a: torch.Tensor, b: torch.Tensor, kernel_map: Kernel
     chunks, owners = kernel_map.derived(("cutlass_chunks", tile.chunk), lambda m: _chunks(m, tile.chunk))
     c_in, c_out = a.shape[1], b.shape[1]
     partial = torch.empty((chunks.shape[0], c_in, c_out), dtype=torch.float32, device=a.device)
-    kernel = _kernels(Tile(*tile[:6]), a.dtype, a.device.index)["sc_chunks_atb"]
+    kernel = _kernels(tile, a.dtype, a.device.index)["sc_chunks_atb"]
     grid = (math.ceil(c_in / tile.block_m), math.ceil(c_out / tile.block_n), chunks.shape[0])
     _launch(kernel, grid, a.device, a, b, in_idx, out_idx, chunks, partial, c_in, c_out)
     dw = torch.zeros((kernel_map.kernel_volume, c_in, c_out), dtype=torch.float32, device=a.device)
