@@ -112,6 +112,53 @@ def test_pinning_a_cutlass_backend_where_it_cannot_run_raises_the_reason():
         sparse_conv3d(x, weight, kernel_size=3, fwd_algo="cutlass_grouped")
 
 
+# ------------------------------------------------------------- host-side tables (CPU) ----------
+
+def _cpu_map(name: str):
+    mode = next(m for m in MODES if m.name == name)
+    x = make_input(mode, 4, "cpu", dtype=torch.float32, n=400, extent=12)
+    size = mode.kernel_size if isinstance(mode.kernel_size, tuple) else (mode.kernel_size,) * 3
+    key = KernelMapKey(x.coord_id, size, (mode.stride,) * 3, (1, 1, 1), mode.transposed, mode.generative)
+    return x.cache.kernel_map(key)[0]
+
+
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "dgrad"])
+def test_grouped_gather_table_and_active_offsets_match_the_neighbour_table(forward):
+    kernel_map = _cpu_map("submanifold_k3")
+    table, order, sources = cutlass_gemm._gather_table(kernel_map, forward)
+    plain = kernel_map.neighbors if forward else cutlass_gemm.transposed_table(kernel_map)
+    expected = plain[order.long()].t()
+    assert torch.equal(table, torch.where(expected >= 0, expected, torch.full_like(expected, sources)))
+    assert sorted(order.tolist()) == list(range(plain.shape[0]))
+    block_m = 32
+    active = cutlass_gemm._active_offsets(table, sources, block_m)
+    for tile in range(active.shape[0]):
+        slots = table[:, tile * block_m:(tile + 1) * block_m]
+        assert active[tile].tolist() == (slots != sources).any(1).to(torch.uint8).tolist()
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 10_000])
+def test_wgrad_chunks_cover_every_pair_once_within_its_offset(chunk):
+    kernel_map = _cpu_map("submanifold_k3")
+    chunks, owners = cutlass_gemm._chunks(kernel_map, chunk)
+    starts = torch.tensor([0, *kernel_map.pair_counts]).cumsum(0)
+    covered = []
+    for (first, count), k in zip(chunks.tolist(), owners.tolist()):
+        assert 0 < count <= chunk and starts[k] <= first and first + count <= starts[k + 1]
+        covered += range(first, first + count)
+    assert covered == list(range(kernel_map.num_pairs))
+
+
+def test_one_pair_per_row_maps_are_recognised_and_tiled():
+    up = _cpu_map("transposed_k2_s2")
+    assert cutlass_gemm._single_layout(up, True) == (True, True)
+    assert cutlass_gemm._single_layout(_cpu_map("strided_k2_s2"), False)[0]
+    assert not cutlass_gemm._single_layout(_cpu_map("submanifold_k3"), True)[0]
+    tiles = cutlass_gemm._single_tiles(up, 16)
+    covered = [p for k, first, count in tiles.tolist() for p in range(first, first + count)]
+    assert covered == list(range(up.num_pairs)) and int(tiles[:, 2].max()) <= 16
+
+
 # ------------------------------------------------------------------------------- GPU ------------
 
 CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2", "transposed_k3_s2",
