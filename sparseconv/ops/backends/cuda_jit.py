@@ -1,4 +1,4 @@
-"""Run-time compilation of the CUDA C++ in csrc/: nvcc → cubin, cached on disk, loaded through CuPy.
+"""Run-time compilation of the CUDA C++ in sparseconv/csrc/: nvcc → cubin, cached on disk, loaded through CuPy.
 
 Why nvcc and not NVRTC: CUTLASS's headers include the toolkit's C++ library headers (cuda/std,
 cuda_fp16/bf16) that NVRTC alone does not ship, and nvcc is what the `nvidia-cuda-nvcc` wheel
@@ -30,7 +30,7 @@ import torch
 
 from ... import config
 
-CSRC = Path(__file__).resolve().parents[3] / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 COMPILE_TIMEOUT_S = 600
 
 
@@ -114,7 +114,7 @@ def _command(tools: Toolchain, source: Path, defines: Mapping[str, int], arch: s
 
 
 def cubin_path(source: str, defines: Mapping[str, int], arch: str) -> Path:
-    """Where the cubin of ``source`` (a file in csrc/) with ``defines`` for ``arch`` is cached."""
+    """Where the cubin of ``source`` (a file in sparseconv/csrc/) with ``defines`` for ``arch`` is cached."""
     tools = toolchain()
     digest = hashlib.sha256()
     for part in ((CSRC / source).read_bytes(), repr(sorted(defines.items())).encode(), arch.encode(),
