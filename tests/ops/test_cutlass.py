@@ -151,9 +151,9 @@ def test_wgrad_chunks_cover_every_pair_once_within_its_offset(chunk):
 
 def test_one_pair_per_row_maps_are_recognised_and_tiled():
     up = _cpu_map("transposed_k2_s2")
-    assert cutlass_gemm._single_layout(up, True) == (True, True)
-    assert cutlass_gemm._single_layout(_cpu_map("strided_k2_s2"), False)[0]
-    assert not cutlass_gemm._single_layout(_cpu_map("submanifold_k3"), True)[0]
+    assert cutlass_gemm.one_pair_per_row(up, True) == (True, True)
+    assert cutlass_gemm.one_pair_per_row(_cpu_map("strided_k2_s2"), False)[0]
+    assert not cutlass_gemm.one_pair_per_row(_cpu_map("submanifold_k3"), True)[0]
     tiles = cutlass_gemm._single_tiles(up, 16)
     covered = [p for k, first, count in tiles.tolist() for p in range(first, first + count)]
     assert covered == list(range(up.num_pairs)) and int(tiles[:, 2].max()) <= 16
@@ -232,7 +232,7 @@ def test_every_inner_cutlass_config_matches_explicit_gemm():
     up = next(m for m in MODES if m.name == "transposed_k2_s2")
     y = make_input(up, 64, "cuda", dtype=torch.float16, n=6000, extent=40)
     up_map, _ = y.cache.kernel_map(KernelMapKey(y.coord_id, (2, 2, 2), (2, 2, 2), (1, 1, 1), True, False))
-    assert up_map.derived(("cutlass_single", True), lambda m: cutlass_gemm._single_layout(m, True)) == (True, True)
+    assert cutlass_gemm.one_pair_per_row(up_map, True) == (True, True)
     up_weight = torch.randn(8, 64, 64, device="cuda", dtype=torch.float16) / 8
     up_ref = explicit.run("AB_gather_scatter", problem, {}, y.feats.double(), up_weight.double(), up_map)
     for tile in cutlass_gemm.TILES:

@@ -16,7 +16,8 @@ from sparseconv.coords import KernelMapKey
 from sparseconv.ops.backends import explicit, get, mask_triton
 from sparseconv.ops.problem import ConvProblem
 
-CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k3_s2", "generative_k3_s1")]
+CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2", "transposed_k3_s2",
+                                        "generative_k3_s1")]
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 OPS = {
     "mask_implicit_gemm": ("AB_gather_scatter", "ABt_gather_scatter"),

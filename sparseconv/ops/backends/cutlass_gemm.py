@@ -34,7 +34,7 @@ from ...coords.kernel_map import KernelMap
 from ...tune.decorator import autotune
 from ..problem import ConvProblem
 from . import cuda_jit
-from .mask_triton import row_order, transposed_table
+from .mask_triton import one_pair_per_row, row_order, transposed_table
 from .registry import Backend, register
 
 SOURCE = "sparse_gemm.cu"
@@ -235,13 +235,6 @@ def _pairs(tile: Tile, a: torch.Tensor, w: torch.Tensor, kernel_map: KernelMap, 
     return out
 
 
-def _single_layout(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
-    """(every output row has at most one pair, every output row has exactly one)."""
-    table = kernel_map.neighbors if forward else kernel_map.derived("transposed_table", transposed_table)
-    per_row = (table >= 0).sum(1)
-    return bool((per_row <= 1).all()), bool((per_row == 1).all())
-
-
 def _single_tiles(kernel_map: KernelMap, block_m: int) -> torch.Tensor:
     """(blocks, 3) int32: (offset k, first pair, pair count <= block_m) of every block."""
     tiles, start = [], 0
@@ -273,7 +266,7 @@ def run_implicit(namespace: str, problem: ConvProblem, params: Mapping, a: torch
     prefetch(a.dtype, a.device)
     key = dict(op=namespace, dtype=str(a.dtype), channels=f"{c_in}x{c_out}",
                rows=f"{_size_bucket(kernel_map.num_pairs)}k{kernel_map.kernel_volume}")
-    single, covered = kernel_map.derived(("cutlass_single", forward), lambda m: _single_layout(m, forward))
+    single, covered = one_pair_per_row(kernel_map, forward)
     if single:
         out = new_output((rows, cols), a) if covered else a.new_zeros((rows, cols))
         _single(a, w, out, kernel_map, forward, **{**key, "op": namespace + ":single"})

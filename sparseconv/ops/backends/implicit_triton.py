@@ -17,6 +17,7 @@ import torch
 from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import triton_kernels as tk
+from . import mask_triton
 from .registry import Backend, register
 
 
@@ -33,14 +34,19 @@ def run_gemm(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Ten
         gather, scatter, rows, reduce_dim, out_dim, strides = in_idx, out_idx, kernel_map.num_out, c_in, c_out, (c_in * c_out, c_out, 1)
     else:
         gather, scatter, rows, reduce_dim, out_dim, strides = out_idx, in_idx, kernel_map.num_in, c_out, c_in, (c_in * c_out, 1, c_out)
-    out = torch.zeros((rows, out_dim), dtype=torch.float32, device=a.device)
+    single, covered = mask_triton.one_pair_per_row(kernel_map, namespace == "AB_gather_scatter")
+    if single:  # nothing to accumulate: store in a's dtype, no fp32 buffer, atomics or cast pass
+        out = mask_triton.new_output((rows, out_dim), a) if covered else a.new_zeros((rows, out_dim))
+    else:
+        out = torch.zeros((rows, out_dim), dtype=torch.float32, device=a.device)
     longest = _max_pairs(kernel_map)
     if longest and out_dim:
         bp, bn, bk = int(params["block_p"]), int(params["block_n"]), int(params["block_k"])
         grid = (kernel_map.kernel_volume, kernels.triton.cdiv(longest, bp), kernels.triton.cdiv(out_dim, bn))
         kernels.pairs_gemm[grid](
             a, w, gather, scatter, offset_ptr, out, reduce_dim, out_dim, *strides,
-            BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk, PRECISION=tk.precision(a.dtype), **tk.launch_options(params),
+            BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk, PRECISION=tk.precision(a.dtype), ATOMIC=not single,
+            **tk.launch_options(params),
         )
     return out.to(a.dtype)
 
@@ -98,6 +104,7 @@ IMPLICIT_GEMM = register(
         supports=tk.unsupported,
         pool=gemm_pool,
         heuristic=lambda problem: 1.0 if problem.device.type == "cuda" else -5.0,
+        version=2,  # 2: stores instead of atomics where each output row has one pair
     )
 )
 

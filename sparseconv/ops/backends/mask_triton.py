@@ -30,6 +30,20 @@ def transposed_table(kernel_map: KernelMap) -> torch.Tensor:
     return table
 
 
+def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
+    """(every output row of the product has at most one pair, every row has exactly one).
+
+    True for the transposed k2 s2 conv (each fine voxel has one coarse parent) and the dgrad of
+    the strided one: nothing to accumulate, so backends may store instead of adding.
+    """
+    def build(m: KernelMap) -> tuple[bool, bool]:
+        table = m.neighbors if forward else m.derived("transposed_table", transposed_table)
+        per_row = (table >= 0).sum(1)
+        return bool((per_row <= 1).all()), bool((per_row == 1).all())
+
+    return kernel_map.derived(("one_pair_per_row", forward), build)
+
+
 def row_order(table: torch.Tensor, sort: bool) -> torch.Tensor:
     """(N,) int32 order of rows: by neighbour bitmask (first 63 offsets) if ``sort``."""
     n = table.shape[0]

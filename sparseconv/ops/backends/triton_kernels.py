@@ -6,7 +6,8 @@ Three kernels, each computing one tile of a gather-GEMM(-scatter) with fp32 accu
   loops over the K offsets, gathering its rows' neighbours; no atomics, deterministic. Offsets
   that no row of the tile uses are skipped, which is why rows are sorted by neighbour mask.
 - ``pairs_gemm``: pair-stationary. Each program takes BLOCK_P (gather, scatter) pairs of one
-  offset, multiplies and atomically adds into an fp32 output.
+  offset, multiplies and atomically adds into an fp32 output (or, where every output row has
+  one pair in the whole map, stores straight into the output dtype: ATOMIC=False).
 - ``pairs_wgrad``: dW_k = A[in_k]^T B[out_k] over the pairs of offset k, split SPLIT ways along
   the pairs (split-K); splits meet through fp32 atomics.
 
@@ -67,7 +68,7 @@ def kernels() -> SimpleNamespace:
         reduce_dim, out_dim,
         stride_wk, stride_wr, stride_wo,
         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
     ):
         k = tl.program_id(0)
         pid_p = tl.program_id(1)
@@ -92,7 +93,11 @@ def kernels() -> SimpleNamespace:
                     mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
                 )
                 acc += tl.dot(a, w, input_precision=PRECISION)
-            tl.atomic_add(out_ptr + dst[:, None] + cols[None, :], acc, mask=p_ok[:, None] & col_ok[None, :])
+            target = out_ptr + dst[:, None] + cols[None, :]
+            if ATOMIC:
+                tl.atomic_add(target, acc, mask=p_ok[:, None] & col_ok[None, :])
+            else:  # every output row has this one pair: a plain store in the output dtype
+                tl.store(target, acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def pairs_wgrad(
