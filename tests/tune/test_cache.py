@@ -83,8 +83,11 @@ def test_entries_round_trip_through_a_fresh_cache_on_the_same_path(cache_path):
     [
         (entry(5, 100.0, tag="win"), entry(3, 200.0, tag="lose")),
         (entry(4, 200.0, tag="win"), entry(4, 100.0, tag="lose")),
+        (entry(2, 100.0, tag="win", timings={"b": {"version": 2}, "c": {"version": 1}}),
+         entry(9, 200.0, tag="lose", timings={"b": {"version": 1}, "c": {"version": 1}})),
     ],
-    ids=["more-evidence-beats-later-update", "evidence-tie-goes-to-later-update"],
+    ids=["more-evidence-beats-later-update", "evidence-tie-goes-to-later-update",
+         "newer-backend-version-beats-more-evidence"],
 )
 def test_merge_keeps_more_evidence_then_later_update(cache_path, winner, loser, winner_first):
     # Two caches that never saw each other's entries write the same key, in either order.
