@@ -1,4 +1,5 @@
-"""Command line: ``python -m sparseconv demo ...`` and ``python -m sparseconv cache show|clear|export|merge|populate``."""
+"""Command line: ``python -m sparseconv demo ...``, ``python -m sparseconv cache show|clear|export|merge|populate``
+and ``python -m sparseconv cutlass status|build``."""
 
 from __future__ import annotations
 
@@ -20,10 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--plot", default=None, metavar="FILE.png", help="save a bird's-eye picture (needs matplotlib)")
     from .tune import cli as cache_cli
 
+    from .ops.backends import cutlass_cli
+
     cache_cli.add_parser(commands)
+    cutlass_cli.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "cache":
         return cache_cli.run(args)
+    if args.command == "cutlass":
+        return cutlass_cli.run(args)
 
     from .demo import format_report, run_demo
 

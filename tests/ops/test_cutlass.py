@@ -244,3 +244,28 @@ def test_every_inner_cutlass_config_matches_explicit_gemm():
         out = cutlass_gemm._wgrad.__wrapped__(tile, x.feats, grad_out, kernel_map)
         assert relative_error(out, ref) < 5e-3, f"wgrad {tile}"
 
+
+
+def test_cli_status_says_why_the_family_is_unavailable(monkeypatch, tmp_path, capsys):
+    from sparseconv.__main__ import main
+
+    monkeypatch.setenv("SPARSECONV_NVCC", str(tmp_path / "no-nvcc"))
+    cuda_jit._toolchain.cache_clear()
+    try:
+        assert main(["cutlass", "status"]) == 1
+        assert "nvcc not found" in capsys.readouterr().out
+        assert main(["cutlass", "build", "--arch", "sm_90"]) == 1
+    finally:
+        monkeypatch.undo()
+        cuda_jit._toolchain.cache_clear()
+
+
+@needs_toolchain
+def test_cli_build_fills_the_cubin_cache_without_a_gpu(monkeypatch, capsys):
+    from sparseconv.__main__ import main
+
+    monkeypatch.setattr(cutlass_gemm, "TILES", cutlass_gemm.TILES[-1:])
+    assert main(["cutlass", "build", "--arch", "sm_80", "--dtypes", "float16"]) == 0
+    assert "1 of 1 variants ready" in capsys.readouterr().out
+    variant = cutlass_gemm.defines(cutlass_gemm.TILES[0], torch.float16)
+    assert cuda_jit.cubin_path(cutlass_gemm.SOURCE, variant, "sm_80").is_file()
