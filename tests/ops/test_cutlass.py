@@ -12,7 +12,7 @@ from sparse_reference import relative_error
 
 from sparseconv.coords import KernelMapKey
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import cuda_jit, cutlass_gemm, explicit, get
+from sparseconv.ops.backends import cuda_jit, cutlass_gemm, explicit, get, mask_triton
 from sparseconv.ops.problem import ConvProblem
 
 needs_toolchain = pytest.mark.skipif(cuda_jit.unavailable() is not None, reason=str(cuda_jit.unavailable()))
@@ -126,7 +126,7 @@ def _cpu_map(name: str):
 def test_grouped_gather_table_and_active_offsets_match_the_neighbour_table(forward):
     kernel_map = _cpu_map("submanifold_k3")
     table, order, sources = cutlass_gemm._gather_table(kernel_map, forward)
-    plain = kernel_map.neighbors if forward else cutlass_gemm.transposed_table(kernel_map)
+    plain = kernel_map.neighbors if forward else mask_triton.transposed_table(kernel_map)
     expected = plain[order.long()].t()
     assert torch.equal(table, torch.where(expected >= 0, expected, torch.full_like(expected, sources)))
     assert sorted(order.tolist()) == list(range(plain.shape[0]))
@@ -154,7 +154,7 @@ def test_one_pair_per_row_maps_are_recognised_and_tiled():
     assert cutlass_gemm.one_pair_per_row(up, True) == (True, True)
     assert cutlass_gemm.one_pair_per_row(_cpu_map("strided_k2_s2"), False)[0]
     assert not cutlass_gemm.one_pair_per_row(_cpu_map("submanifold_k3"), True)[0]
-    tiles = cutlass_gemm._single_tiles(up, 16)
+    tiles = cutlass_gemm._pair_blocks(up, 16)
     covered = [p for k, first, count in tiles.tolist() for p in range(first, first + count)]
     assert covered == list(range(up.num_pairs)) and int(tiles[:, 2].max()) <= 16
 

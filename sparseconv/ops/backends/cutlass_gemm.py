@@ -34,7 +34,7 @@ from ...coords.kernel_map import KernelMap
 from ...tune.decorator import autotune
 from ..problem import ConvProblem
 from . import cuda_jit
-from .mask_triton import one_pair_per_row, row_order, transposed_table
+from .mask_triton import one_pair_per_row, product_table, sorted_rows
 from .registry import Backend, register
 
 SOURCE = "sparse_gemm.cu"
@@ -166,9 +166,9 @@ def _gather_table(kernel_map: KernelMap, forward: bool) -> tuple[torch.Tensor, t
 
     "No neighbour" points at the source's row ``source rows``, an all-zero row appended per call.
     """
-    table = kernel_map.neighbors if forward else kernel_map.derived("transposed_table", transposed_table)
+    table = product_table(kernel_map, forward)
     sources = kernel_map.num_in if forward else kernel_map.num_out
-    order = row_order(table, True)
+    order = sorted_rows(kernel_map, forward, True)
     sorted_table = table[order.long()]
     sorted_table = torch.where(sorted_table >= 0, sorted_table, torch.full_like(sorted_table, sources))
     return sorted_table.t().contiguous().to(torch.int32), order, sources
@@ -235,13 +235,13 @@ def _pairs(tile: Tile, a: torch.Tensor, w: torch.Tensor, kernel_map: KernelMap, 
     return out
 
 
-def _single_tiles(kernel_map: KernelMap, block_m: int) -> torch.Tensor:
-    """(blocks, 3) int32: (offset k, first pair, pair count <= block_m) of every block."""
-    tiles, start = [], 0
+def _pair_blocks(kernel_map: KernelMap, size: int) -> torch.Tensor:
+    """(blocks, 3) int32: (offset k, first pair, pair count <= size), each offset's pairs cut in order."""
+    blocks, start = [], 0
     for k, count in enumerate(kernel_map.pair_counts):
-        tiles += [(k, start + first, min(block_m, count - first)) for first in range(0, count, block_m)]
+        blocks += [(k, start + first, min(size, count - first)) for first in range(0, count, size)]
         start += count
-    return torch.tensor(tiles, dtype=torch.int32, device=kernel_map.neighbors.device).view(-1, 3)
+    return torch.tensor(blocks, dtype=torch.int32, device=kernel_map.neighbors.device).view(-1, 3)
 
 
 @autotune(TILES, key=("op", "dtype", "channels", "rows"))
@@ -249,7 +249,7 @@ def _single(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ker
             forward: bool) -> None:
     in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)
     gather, scatter = (in_idx, out_idx) if forward else (out_idx, in_idx)
-    tiles = kernel_map.derived(("cutlass_single_tiles", tile.block_m), lambda m: _single_tiles(m, tile.block_m))
+    tiles = kernel_map.derived(("cutlass_pair_blocks", tile.block_m), lambda m: _pair_blocks(m, tile.block_m))
     kernel = _kernels(tile, a.dtype, out.device.index)["sc_single_ab" if forward else "sc_single_abt"]
     grid = (tiles.shape[0], math.ceil(out.shape[1] / tile.block_n), 1)
     _launch(kernel, grid, out.device, a, w, gather, scatter, tiles, out, a.shape[1], out.shape[1])
@@ -280,15 +280,8 @@ def run_implicit(namespace: str, problem: ConvProblem, params: Mapping, a: torch
 def _chunks(kernel_map: KernelMap, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """((chunks, 2) int32 (first pair, pair count), (chunks,) int64 offset of each chunk)."""
     chunk = max(chunk, math.ceil(kernel_map.num_pairs / MAX_GRID_Z))  # one grid z-index per chunk
-    table, owners, start = [], [], 0
-    for k, count in enumerate(kernel_map.pair_counts):
-        for first in range(0, count, chunk):
-            table.append((start + first, min(chunk, count - first)))
-            owners.append(k)
-        start += count
-    device = kernel_map.neighbors.device
-    return (torch.tensor(table, dtype=torch.int32, device=device).view(-1, 2),
-            torch.tensor(owners, dtype=torch.int64, device=device))
+    blocks = _pair_blocks(kernel_map, chunk)
+    return blocks[:, 1:].contiguous(), blocks[:, 0].to(torch.int64)
 
 
 @autotune(WGRAD_TILES, key=("dtype", "channels", "pairs"))

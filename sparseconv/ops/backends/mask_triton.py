@@ -30,6 +30,18 @@ def transposed_table(kernel_map: KernelMap) -> torch.Tensor:
     return table
 
 
+def product_table(kernel_map: KernelMap, forward: bool) -> torch.Tensor:
+    """The neighbour table an output-stationary product walks: the map's own for forward,
+    the transposed one for dgrad (rows are then input rows)."""
+    return kernel_map.neighbors if forward else kernel_map.derived("transposed_table", transposed_table)
+
+
+def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool) -> torch.Tensor:
+    """(rows,) int32 visiting order of the product's rows (by neighbour mask if ``sort``), cached on the map."""
+    return kernel_map.derived(("mask_rows" if forward else "mask_rows_t", sort),
+                              lambda m: row_order(product_table(m, forward), sort))
+
+
 def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
     """(every output row of the product has at most one pair, every row has exactly one).
 
@@ -37,8 +49,7 @@ def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
     the strided one: nothing to accumulate, so backends may store instead of adding.
     """
     def build(m: KernelMap) -> tuple[bool, bool]:
-        table = m.neighbors if forward else m.derived("transposed_table", transposed_table)
-        per_row = (table >= 0).sum(1)
+        per_row = (product_table(m, forward) >= 0).sum(1)
         return bool((per_row <= 1).all()), bool((per_row == 1).all())
 
     return kernel_map.derived(("one_pair_per_row", forward), build)
@@ -77,12 +88,10 @@ def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, 
     a, w = a.contiguous(), b.contiguous()
     c_in, c_out = w.shape[1], w.shape[2]
     sort = bool(params.get("sort", True))
-    if namespace == "AB_gather_scatter":
-        table = kernel_map.neighbors
-        rows = kernel_map.derived(("mask_rows", sort), lambda m: row_order(m.neighbors, sort))
+    forward = namespace == "AB_gather_scatter"
+    table, rows = product_table(kernel_map, forward), sorted_rows(kernel_map, forward, sort)
+    if forward:
         return _run_rows(a, w, table, rows, c_in, c_out, (c_in * c_out, c_out, 1), params)
-    table = kernel_map.derived("transposed_table", transposed_table)
-    rows = kernel_map.derived(("mask_rows_t", sort), lambda m: row_order(table, sort))
     return _run_rows(a, w, table, rows, c_out, c_in, (c_in * c_out, 1, c_out), params)
 
 
