@@ -123,7 +123,7 @@ def _cpu_map(name: str):
 
 
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "dgrad"])
-def test_grouped_gather_table_and_active_offsets_match_the_neighbour_table(forward):
+def test_grouped_gather_table_and_tile_offsets_match_the_neighbour_table(forward):
     kernel_map = _cpu_map("submanifold_k3")
     table, order, sources = cutlass_gemm._gather_table(kernel_map, forward)
     plain = kernel_map.neighbors if forward else mask_triton.transposed_table(kernel_map)
@@ -131,10 +131,14 @@ def test_grouped_gather_table_and_active_offsets_match_the_neighbour_table(forwa
     assert torch.equal(table, torch.where(expected >= 0, expected, torch.full_like(expected, sources)))
     assert sorted(order.tolist()) == list(range(plain.shape[0]))
     block_m = 32
-    active = cutlass_gemm._active_offsets(table, sources, block_m)
+    active = mask_triton.tile_offsets(kernel_map, forward, True, block_m)
+    offsets, counts = mask_triton.active_lists(kernel_map, forward, True, block_m)
+    assert active.shape[0] == offsets.shape[0] == -(-plain.shape[0] // block_m)
     for tile in range(active.shape[0]):
         slots = table[:, tile * block_m:(tile + 1) * block_m]
-        assert active[tile].tolist() == (slots != sources).any(1).to(torch.uint8).tolist()
+        used = (slots != sources).any(1)
+        assert active[tile].tolist() == used.tolist()
+        assert offsets[tile, : counts[tile]].tolist() == torch.nonzero(used).flatten().tolist()
 
 
 @pytest.mark.parametrize("chunk", [7, 64, 10_000])

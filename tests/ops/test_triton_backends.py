@@ -76,3 +76,26 @@ def test_triton_backends_match_explicit_gemm(mode, channels, dtype, device, pois
 @pytest.mark.parametrize("channels", [(32, 64), (96, 96), (128, 256), (256, 32)], ids=lambda c: f"c{c[0]}x{c[1]}")
 def test_triton_backends_match_explicit_gemm_at_wide_channels(channels, dtype, poisoned_outputs):
     test_triton_backends_match_explicit_gemm(CASES[0], channels, dtype, "cuda", poisoned_outputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", mask_triton.SPACE,
+                         ids=lambda p: "m{block_m}n{block_n}k{block_k}w{num_warps}s{num_stages}{sort}".format(**p))
+def test_every_mask_tile_matches_explicit_gemm(params, device, poisoned_outputs):
+    """Each tile of the space walks its tiles' active-offset lists correctly, tails included
+    (96 reduce channels are not a multiple of BLOCK_K = 64, 40 outputs not of BLOCK_N)."""
+    backend = get("mask_implicit_gemm")
+    for mode in (CASES[0], next(m for m in CASES if m.name == "transposed_k3_s2")):
+        n = 60 if device == "cpu" else 6000
+        x = make_input(mode, 96, device, dtype=torch.float16, n=n, extent=7 if device == "cpu" else 40)
+        key = KernelMapKey(x.coord_id, (mode.kernel_size,) * 3, (mode.stride,) * 3, (1, 1, 1), mode.transposed,
+                           mode.generative)
+        kernel_map, _ = x.cache.kernel_map(key)
+        weight = torch.randn(kernel_map.kernel_volume, 96, 40, device=device, dtype=torch.float16) / 96 ** 0.5
+        grad_out = torch.randn(kernel_map.num_out, 40, device=device, dtype=torch.float16)
+        problem = _problem(x, kernel_map, 96, 40, torch.float16, mode)
+        for namespace, a in (("AB_gather_scatter", x.feats), ("ABt_gather_scatter", grad_out)):
+            out = backend.run(namespace, problem, params, a, weight, kernel_map)
+            ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
+            assert bool(torch.isfinite(out).all()), f"{mode} {namespace}: unwritten output"
+            assert relative_error(out, ref) < TOLERANCE[torch.float16], f"{mode} {namespace}"

@@ -34,7 +34,7 @@ from ...coords.kernel_map import KernelMap
 from ...tune.decorator import autotune
 from ..problem import ConvProblem
 from . import cuda_jit
-from .mask_triton import one_pair_per_row, product_table, sorted_rows
+from .mask_triton import one_pair_per_row, product_table, sorted_rows, tile_offsets
 from .registry import Backend, register
 
 SOURCE = "sparse_gemm.cu"
@@ -174,21 +174,12 @@ def _gather_table(kernel_map: KernelMap, forward: bool) -> tuple[torch.Tensor, t
     return sorted_table.t().contiguous().to(torch.int32), order, sources
 
 
-def _active_offsets(table: torch.Tensor, sources: int, block_m: int) -> torch.Tensor:
-    """(tiles, K) uint8: 1 where some slot of the tile has a neighbour through that offset."""
-    offsets, rows = table.shape
-    tiles = math.ceil(rows / block_m)
-    present = torch.zeros((offsets, tiles * block_m), dtype=torch.bool, device=table.device)
-    present[:, :rows] = table != sources
-    return present.view(offsets, tiles, block_m).any(2).t().contiguous().to(torch.uint8)
-
-
 @autotune(TILES, key=("op", "dtype", "channels", "rows"))
 def _grouped(tile: Tile, source: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap,
              forward: bool) -> None:
     table, order, sources = kernel_map.derived(("cutlass_rows", forward), lambda m: _gather_table(m, forward))
     active = kernel_map.derived(("cutlass_active", forward, tile.block_m),
-                                lambda m: _active_offsets(table, sources, tile.block_m))
+                                lambda m: tile_offsets(m, forward, True, tile.block_m).to(torch.uint8))
     rows, cols = out.shape
     reduce = source.shape[1]
     kernel = _kernels(tile, source.dtype, out.device.index)["sc_rows_ab" if forward else "sc_rows_abt"]

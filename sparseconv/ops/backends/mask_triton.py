@@ -70,15 +70,41 @@ def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-def _run_rows(a, w, table, rows, reduce_dim, out_dim, strides, params) -> torch.Tensor:
+def tile_offsets(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int) -> torch.Tensor:
+    """(tiles, K) bool: True where some row of the tile of ``block_m`` visited rows has a neighbour
+    through that offset (cached on the map per tile height)."""
+    def build(m: KernelMap) -> torch.Tensor:
+        table = product_table(m, forward)
+        rows = sorted_rows(m, forward, sort)
+        tiles = -(-rows.numel() // block_m)
+        present = torch.zeros((tiles * block_m, table.shape[1]), dtype=torch.bool, device=table.device)
+        present[: rows.numel()] = table[rows.long()] >= 0
+        return present.view(tiles, block_m, table.shape[1]).any(1)
+
+    return kernel_map.derived(("tile_offsets", forward, sort, block_m), build)
+
+
+def active_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """((tiles, K) int32 offsets each tile uses, first ``count`` of each row valid; (tiles,) int32 count)."""
+    def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor]:
+        used = tile_offsets(m, forward, sort, block_m)
+        order = torch.argsort((~used).to(torch.int8), dim=1, stable=True)
+        return order.to(torch.int32).contiguous(), used.sum(1, dtype=torch.int32)
+
+    return kernel_map.derived(("active_lists", forward, sort, block_m), build)
+
+
+def _run_rows(a, w, kernel_map, forward, sort, reduce_dim, out_dim, strides, params) -> torch.Tensor:
     kernels = tk.kernels()
+    table, rows = product_table(kernel_map, forward), sorted_rows(kernel_map, forward, sort)
     out = new_output((table.shape[0], out_dim), a)
     if out.numel() == 0:
         return out.zero_()
     bm, bn, bk = int(params["block_m"]), int(params["block_n"]), int(params["block_k"])
-    grid = (kernels.triton.cdiv(table.shape[0], bm), kernels.triton.cdiv(out_dim, bn))
+    offsets, counts = active_lists(kernel_map, forward, sort, bm)
+    grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
     kernels.rows_gemm[grid](
-        a, w, table, rows, out, table.shape[0], reduce_dim, out_dim, table.shape[1], *strides,
+        a, w, table, rows, offsets, counts, out, table.shape[0], reduce_dim, out_dim, table.shape[1], *strides,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=tk.precision(a.dtype), **tk.launch_options(params),
     )
     return out
@@ -88,18 +114,17 @@ def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, 
     a, w = a.contiguous(), b.contiguous()
     c_in, c_out = w.shape[1], w.shape[2]
     sort = bool(params.get("sort", True))
-    forward = namespace == "AB_gather_scatter"
-    table, rows = product_table(kernel_map, forward), sorted_rows(kernel_map, forward, sort)
-    if forward:
-        return _run_rows(a, w, table, rows, c_in, c_out, (c_in * c_out, c_out, 1), params)
-    return _run_rows(a, w, table, rows, c_out, c_in, (c_in * c_out, 1, c_out), params)
+    if namespace == "AB_gather_scatter":
+        return _run_rows(a, w, kernel_map, True, sort, c_in, c_out, (c_in * c_out, c_out, 1), params)
+    return _run_rows(a, w, kernel_map, False, sort, c_out, c_in, (c_in * c_out, 1, c_out), params)
 
 
 SPACE = tuple(
     {"block_m": m, "block_n": n, "block_k": k, "num_warps": nw, "num_stages": st, "sort": s}
     for (m, n, k, nw, st), s in itertools.product(
         [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
-         (64, 32, 32, 4, 2), (128, 128, 64, 8, 3), (32, 64, 32, 4, 2), (128, 64, 64, 4, 4)],
+         (64, 32, 32, 4, 2), (128, 128, 64, 8, 3), (32, 64, 32, 4, 2), (128, 64, 64, 4, 4),
+         (64, 256, 32, 8, 3), (128, 256, 32, 8, 3)],
         [True, False],
     )
 )
@@ -112,6 +137,8 @@ def pool(problem: ConvProblem, level: str) -> list[Mapping]:
         # On the H200 the 'all' pool beat these three by up to 20% at C = 256 on 370k voxels
         # (bench_layers, 2026-11-21): give wide layers the deeper-K and wide-N tiles too.
         auto += [SPACE[14], SPACE[4]]
+    if max(problem.in_channels, problem.out_channels) > 128:
+        auto += [SPACE[16], SPACE[18]]  # one column tile over all 256 outputs: each gather read once
     return tk.pool_on(problem, level, SPACE, auto)
 
 
@@ -124,5 +151,6 @@ MASK_IMPLICIT_GEMM = register(
         supports=tk.unsupported,
         pool=pool,
         heuristic=lambda problem: 2.0 if problem.device.type == "cuda" else -5.0,
+        version=2,  # 2: one pipelined loop over (offset, channel block) per tile
     )
 )

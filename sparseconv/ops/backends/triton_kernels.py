@@ -3,8 +3,9 @@
 Three kernels, each computing one tile of a gather-GEMM(-scatter) with fp32 accumulation:
 
 - ``rows_gemm``: output-stationary. Each program owns BLOCK_M output rows x BLOCK_N columns and
-  loops over the K offsets, gathering its rows' neighbours; no atomics, deterministic. Offsets
-  that no row of the tile uses are skipped, which is why rows are sorted by neighbour mask.
+  runs one pipelined loop over (offset, channel block), gathering its rows' neighbours; no
+  atomics, deterministic. It visits only the offsets some row of its tile uses (a per-tile list
+  built on the host), which is why rows are sorted by neighbour mask.
 - ``pairs_gemm``: pair-stationary. Each program takes BLOCK_P (gather, scatter) pairs of one
   offset, multiplies and atomically adds into an fp32 output (or, where every output row has
   one pair in the whole map, stores straight into the output dtype: ATOMIC=False).
@@ -31,34 +32,39 @@ def kernels() -> SimpleNamespace:
 
     @triton.jit
     def rows_gemm(
-        a_ptr, w_ptr, nbr_ptr, rows_ptr, out_ptr,
+        a_ptr, w_ptr, nbr_ptr, rows_ptr, active_ptr, count_ptr, out_ptr,
         n_rows, reduce_dim, out_dim, num_offsets,
         stride_wk, stride_wr, stride_wo,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # Column tiles of one row tile are neighbours in launch order, so they share its gathers in L2.
+        tiles_n = tl.cdiv(out_dim, BLOCK_N)
+        pid_m = tl.program_id(0) // tiles_n
+        pid_n = tl.program_id(0) % tiles_n
         slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         slot_ok = slots < n_rows
         rows = tl.load(rows_ptr + slots, mask=slot_ok, other=0).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < out_dim
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, num_offsets):
+        # One pipelined loop over (active offset, channel block): no pipeline drain between offsets.
+        k_tiles = tl.cdiv(reduce_dim, BLOCK_K)
+        steps = tl.load(count_ptr + pid_m) * k_tiles
+        for t in range(0, steps):
+            j = t // k_tiles
+            ck = (t - j * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
+            ck_ok = ck < reduce_dim
+            k = tl.load(active_ptr + pid_m * num_offsets + j)
             idx = tl.load(nbr_ptr + rows * num_offsets + k, mask=slot_ok, other=-1)
             valid = idx >= 0
-            if tl.max(valid.to(tl.int32), axis=0) > 0:
-                src = idx.to(tl.int64) * reduce_dim
-                for c0 in range(0, reduce_dim, BLOCK_K):
-                    ck = c0 + tl.arange(0, BLOCK_K)
-                    ck_ok = ck < reduce_dim
-                    a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=valid[:, None] & ck_ok[None, :], other=0.0)
-                    w = tl.load(
-                        w_ptr + k * stride_wk + ck[:, None] * stride_wr + cols[None, :] * stride_wo,
-                        mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
-                    )
-                    acc += tl.dot(a, w, input_precision=PRECISION)
+            src = idx.to(tl.int64) * reduce_dim
+            a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=valid[:, None] & ck_ok[None, :], other=0.0)
+            w = tl.load(
+                w_ptr + k * stride_wk + ck[:, None] * stride_wr + cols[None, :] * stride_wo,
+                mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
+            )
+            acc += tl.dot(a, w, input_precision=PRECISION)
         out = out_ptr + rows[:, None] * out_dim + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 
