@@ -80,10 +80,13 @@ def test_triton_backends_match_explicit_gemm_at_wide_channels(channels, dtype, p
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("params", mask_triton.SPACE,
-                         ids=lambda p: "m{block_m}n{block_n}k{block_k}w{num_warps}s{num_stages}{sort}".format(**p))
+                         ids=lambda p: "m{block_m}n{block_n}k{block_k}w{num_warps}s{num_stages}-sort{sort}-splits{splits}".format(**p))
 def test_every_mask_tile_matches_explicit_gemm(params, device, poisoned_outputs):
-    """Each tile of the space walks its tiles' active-offset lists correctly, tails included
-    (96 reduce channels are not a multiple of BLOCK_K = 64, 40 outputs not of BLOCK_N)."""
+    """Each tile of the space walks its tiles' active-offset lists correctly, in one offset group
+    or several (the later ones adding), tails included (96 reduce channels are not a multiple of
+    BLOCK_K = 64, 40 outputs not of BLOCK_N)."""
+    if device == "cpu" and mask_triton.SPACE.index(params) % 5:
+        pytest.skip("the interpreter runs every fifth set (both sorts, 1-3 groups, BLOCK_K 32 and 64); the GPU all")
     backend = get("mask_implicit_gemm")
     for mode in (CASES[0], next(m for m in CASES if m.name == "transposed_k3_s2")):
         n = 60 if device == "cpu" else 6000

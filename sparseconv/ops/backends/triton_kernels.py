@@ -5,7 +5,8 @@ Three kernels, each computing one tile of a gather-GEMM(-scatter) with fp32 accu
 - ``rows_gemm``: output-stationary. Each program owns BLOCK_M output rows x BLOCK_N columns and
   runs one pipelined loop over (offset, channel block), gathering its rows' neighbours; no
   atomics, deterministic. It visits only the offsets some row of its tile uses (a per-tile list
-  built on the host), which is why rows are sorted by neighbour mask.
+  built on the host), which is why rows are sorted by neighbour mask. With ACCUMULATE it adds to
+  the output instead (a later group of offsets, its rows sorted by that group's mask).
 - ``pairs_gemm``: pair-stationary. Each program takes BLOCK_P (gather, scatter) pairs of one
   offset, multiplies and atomically adds into an fp32 output (or, where every output row has
   one pair in the whole map, stores straight into the output dtype: ATOMIC=False).
@@ -33,10 +34,10 @@ def kernels() -> SimpleNamespace:
     @triton.jit
     def rows_gemm(
         a_ptr, w_ptr, nbr_ptr, rows_ptr, active_ptr, count_ptr, out_ptr,
-        n_rows, reduce_dim, out_dim, num_offsets,
+        n_rows, reduce_dim, out_dim, num_offsets, list_len,
         stride_wk, stride_wr, stride_wo,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
     ):
         # Column tiles of one row tile are neighbours in launch order, so they share its gathers in L2.
         tiles_n = tl.cdiv(out_dim, BLOCK_N)
@@ -55,7 +56,7 @@ def kernels() -> SimpleNamespace:
             j = t // k_tiles
             ck = (t - j * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
             ck_ok = ck < reduce_dim
-            k = tl.load(active_ptr + pid_m * num_offsets + j)
+            k = tl.load(active_ptr + pid_m * list_len + j)
             idx = tl.load(nbr_ptr + rows * num_offsets + k, mask=slot_ok, other=-1)
             valid = idx >= 0
             src = idx.to(tl.int64) * reduce_dim
@@ -66,7 +67,13 @@ def kernels() -> SimpleNamespace:
             )
             acc += tl.dot(a, w, input_precision=PRECISION)
         out = out_ptr + rows[:, None] * out_dim + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
+        out_ok = slot_ok[:, None] & col_ok[None, :]
+        if ACCUMULATE:  # a later offset group: add to the rows the earlier groups wrote
+            if steps > 0:
+                acc += tl.load(out, mask=out_ok, other=0.0).to(tl.float32)
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
     @triton.jit
     def pairs_gemm(
