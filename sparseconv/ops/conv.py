@@ -78,7 +78,8 @@ def sparse_conv3d(
     Output coordinates: the input's (stride 1), the floor-to-multiple of the new stride
     (strided), the finer coordinates of this batch (transposed), or every position the kernel
     reaches (generative). Offsets and conventions: :mod:`sparseconv.coords.kernel_map`.
-    Pins: a backend name (used as is), a list of names (the tuner times only these), or a mode
+    Pins: a backend name (used as is), a list of names (the tuner times only these; a list of one
+    tunes that backend's parameters), or a mode
     (auto / trimmed / all); None follows SPARSECONV_*_ALGO_MODE. ``record``, if given, receives
     the algorithm chosen for each product as it runs (forward now, dgrad and wgrad in backward).
     """

@@ -32,10 +32,12 @@ class AlgoMode:
     level: str | None
     names: tuple[str, ...]
     source: str
+    listed: bool = False  # the names came as a list ([a], a,b or a Python list): time them
 
     @property
     def single(self) -> bool:
-        return self.level is None and len(self.names) == 1
+        """A bare backend name: run its default parameters, untimed."""
+        return self.level is None and len(self.names) == 1 and not self.listed
 
 
 def parse_mode(value: str | Sequence[str], namespace: str, source: str) -> AlgoMode:
@@ -45,10 +47,12 @@ def parse_mode(value: str | Sequence[str], namespace: str, source: str) -> AlgoM
         if text.lower() in LEVELS:
             return AlgoMode(text.lower(), (), source)
         names = [n.strip() for n in text.strip("[]").split(",") if n.strip()]
+        listed = text.startswith("[") or "," in text
         if not names:
             raise ValueError(f"{source}: empty algorithm mode {value!r}; use auto, trimmed, all, a name or [a,b]")
     elif isinstance(value, Sequence) and value and all(isinstance(n, str) for n in value):
         names = [n.strip() for n in value]
+        listed = True
     else:
         raise TypeError(f"{source} must be a mode string or a non-empty list of algorithm names, got {value!r}")
     valid = registry.names(namespace)
@@ -59,7 +63,7 @@ def parse_mode(value: str | Sequence[str], namespace: str, source: str) -> AlgoM
             raise ValueError(
                 f"{source}: unknown algorithm {name!r} for {namespace}; valid: {list(LEVELS) + valid}{hint}"
             )
-    return AlgoMode(None, tuple(dict.fromkeys(names)), source)
+    return AlgoMode(None, tuple(dict.fromkeys(names)), source, listed)
 
 
 DEFAULT_MODE = AlgoMode("auto", (), "default")

@@ -139,8 +139,8 @@ class Tuner:
         kernel_map: KernelMap,
     ) -> Candidate:
         pool = candidate_pool(namespace, problem, mode, effort) or [Candidate(FALLBACK)]
-        if pool == [Candidate(FALLBACK)]:
-            return pool[0]  # the reference alone: nothing to compare, nothing to time
+        if len(pool) == 1:
+            return pool[0]  # one candidate (the reference alone, or a listed backend's one set): nothing to time
         encoded = key.encode()
         entry = self.cache.get(namespace, encoded) or {"timings": {}, "evidence": 0}
         timings: dict[str, dict] = dict(entry.get("timings", {}))

@@ -102,3 +102,15 @@ def test_every_mask_tile_matches_explicit_gemm(params, device, poisoned_outputs)
             ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
             assert bool(torch.isfinite(out).all()), f"{mode} {namespace}: unwritten output"
             assert relative_error(out, ref) < TOLERANCE[torch.float16], f"{mode} {namespace}"
+
+
+@pytest.mark.parametrize("channels", [32, 96, 256])
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_each_wider_pool_level_contains_the_narrower(name, channels):
+    backend = get(name)
+    problem = ConvProblem(300_000, 300_000, channels, channels, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False,
+                          torch.float16, torch.device("cuda"))  # pools only read the problem: no GPU needed
+    ids = {level: [tuple(sorted(p.items())) for p in backend.candidates_params(problem, level)]
+           for level in ("auto", "trimmed", "all")}
+    assert ids["auto"] and set(ids["auto"]) <= set(ids["trimmed"]) <= set(ids["all"])
+    assert len(set(ids["trimmed"])) == len(ids["trimmed"])

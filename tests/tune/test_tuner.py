@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from fakes import Calls, fast, registered, slow, wrong
 
 import sparseconv.tune
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import explicit
+from sparseconv.ops.backends import Backend, explicit
 
 SUBMANIFOLD = MODES[1]
 
@@ -37,6 +38,36 @@ def test_single_name_from_env_runs_without_timing(monkeypatch):
         conv(record)
     assert record["AB_gather_scatter"] == "fake_slow" and calls.of("fake_slow", "AB_gather_scatter") == 1
     assert entries("AB_gather_scatter") == [] and len(entries("AtB_gather_gather")) == 1
+
+
+def _two_speeds(calls: Calls) -> Backend:
+    def run(namespace, problem, params, a, b, kernel_map):
+        calls.add(f"fake_speeds[{params['delay_s']}]", namespace)
+        time.sleep(params["delay_s"])
+        return explicit.run(namespace, problem, params, a, b, kernel_map)
+
+    return Backend("fake_speeds", frozenset({"AB_gather_scatter"}), run,
+                   params_space=({"delay_s": 0.02}, {"delay_s": 0.0}))
+
+
+@pytest.mark.parametrize("pin", [["fake_speeds"], "[fake_speeds]"], ids=["python-list", "bracketed"])
+def test_a_list_of_one_backend_tunes_its_parameters(pin):
+    calls = Calls()
+    with registered(_two_speeds(calls)):
+        record = {}
+        conv(record, fwd_algo=pin)
+    assert record["AB_gather_scatter"] == "fake_speeds[delay_s=0.0]"
+    assert calls.of("fake_speeds[0.02]") >= 1 and len(entries("AB_gather_scatter")) == 1
+
+
+def test_a_bare_name_runs_the_backends_first_parameters_untimed():
+    calls = Calls()
+    with registered(_two_speeds(calls)):
+        record = {}
+        conv(record, fwd_algo="fake_speeds")
+    assert record["AB_gather_scatter"] == "fake_speeds[delay_s=0.02]"
+    assert calls.of("fake_speeds[0.02]") == 1 and calls.of("fake_speeds[0.0]") == 0
+    assert entries("AB_gather_scatter") == []
 
 
 def test_kwarg_pin_overrides_env_and_is_honoured_in_backward(monkeypatch):

@@ -167,7 +167,13 @@ def pool_on(problem, level: str, space: tuple, auto: list) -> list:
     """On the CPU (the interpreter) Triton candidates are never timed; pins still run them."""
     if problem.device.type != "cuda":
         return []
-    return auto if level == "auto" else list(space[: len(space) // 2 + 1] if level == "trimmed" else space)
+    if level == "trimmed":  # the auto sets, then the first half of the space
+        return list({_params_id(p): p for p in [*auto, *space[: len(space) // 2 + 1]]}.values())
+    return auto if level == "auto" else list(space)
+
+
+def _params_id(params) -> tuple:
+    return tuple(sorted(params.items()))
 
 
 def launch_options(params) -> dict:
