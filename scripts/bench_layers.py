@@ -93,7 +93,8 @@ def time_anchor(spc, layer: str, coords, feats, c: int, dtype, repeats: int) -> 
     return fwd, fwd_bwd
 
 
-def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int, anchors: dict) -> dict:
+def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int, anchors: dict,
+             families: list[str]) -> dict:
     kernel, stride, transposed = LAYERS[layer]
     coords = scene_tensor.coords
     feats = torch.randn(len(coords), c, device=DEVICE, dtype=dtype)
@@ -118,7 +119,11 @@ def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int
         "chosen": "/".join(record.get(ns, "?").split("[")[0] for ns in NAMESPACES),
         "detail": "ours: " + " / ".join(record.get(ns, "?") for ns in NAMESPACES),
     }
-    for family, pins in FAMILIES.items():
+    for family in FAMILIES:
+        if family not in families:
+            result[family] = result[family + "+bwd"] = "-"
+            continue
+        pins = FAMILIES[family]
         try:
             family_record: dict[str, str] = {}
             sparse_conv3d(x.replace(leaf_feats), leaf_weight, record=family_record, **args, **pins).feats.sum().backward()
@@ -185,6 +190,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
     parser.add_argument("--profile", action="store_true", help="profile one cell's forward+backward (torch.profiler) first")
     parser.add_argument("--log", action="store_true", help="log the tuner's sweeps and disqualifications to stderr")
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES),
+                        help="families to tune and time on their own (none: only the overall choice; faster)")
     args = parser.parse_args()
     if args.log:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -214,7 +221,7 @@ def main() -> None:
             dtype = getattr(torch, dtype_name)
             for c in args.channels:
                 for layer in args.layers:
-                    r = run_cell(base, layer, c, dtype, args.repeats, anchors)
+                    r = run_cell(base, layer, c, dtype, args.repeats, anchors, args.families)
                     elt = torch.finfo(dtype).bits // 8
                     n_in, n_out = (int(v) for v in r["N"].split("->"))
                     flops = 2 * r["pairs"] * c * c
