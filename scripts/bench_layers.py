@@ -20,6 +20,7 @@ import math
 import os
 import statistics
 import tempfile
+import time
 
 import torch
 
@@ -231,7 +232,9 @@ def main() -> None:
             dtype = getattr(torch, dtype_name)
             for c in args.channels:
                 for layer in args.layers:
+                    started = time.perf_counter()
                     r = run_cell(base, layer, c, dtype, args.repeats, anchors, args.families)
+                    r["detail"] += f" cell {time.perf_counter() - started:.1f} s (tuning, compiles and all timings)"
                     elt = torch.finfo(dtype).bits // 8
                     n_in, n_out = (int(v) for v in r["N"].split("->"))
                     flops = 2 * r["pairs"] * c * c
