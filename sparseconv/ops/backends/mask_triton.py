@@ -5,7 +5,8 @@ tile has (a per-tile list) and their channel blocks, gathering its rows' neighbo
 visited sorted by their neighbour bitmask (``sort=True``) so that a tile's rows share offsets.
 With ``splits`` > 1 the offsets are cut into groups, each with its own row order and launch
 (the later ones add to the output): shorter masks sort into denser tiles, for one extra
-read and write of the output per group. dgrad runs the same kernel over the transposed
+read and write of the output per group and one more rounding to its dtype (the tuner's guard
+compares every candidate with the reference). dgrad runs the same kernel over the transposed
 neighbour table with W_kᵀ.
 """
 
