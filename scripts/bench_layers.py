@@ -130,11 +130,10 @@ def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int
     products = [median_ms(lambda ns=ns: dispatch(ns, problem, None, *operands[ns], kernel_map), repeats)
                 for ns in NAMESPACES]
     result["detail"] += " products ms (fwd/dgrad/wgrad): " + " / ".join(f"{t:.3f}" for t in products)
-    for family in FAMILIES:
+    for family, pins in FAMILIES.items():
         if family not in families:
             result[family] = result[family + "+bwd"] = "-"
             continue
-        pins = FAMILIES[family]
         try:
             family_record: dict[str, str] = {}
             sparse_conv3d(x.replace(leaf_feats), leaf_weight, record=family_record, **args, **pins).feats.sum().backward()

@@ -13,12 +13,12 @@ import argparse
 
 import torch
 
+from bench_layers import SCENES
+
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.data import make_scene
 from sparseconv.ops.backends import mask_triton
-
-SCENES = {"street1": ("street", 0.05, 1, 2.0), "street4": ("street", 0.05, 4, 2.0), "room2": ("room", 0.02, 2, 1.0)}
 
 
 def main() -> None:

@@ -1,10 +1,21 @@
+import importlib.util
 import os
 import secrets
+from pathlib import Path
 
 import pytest
 import torch
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    """The module of ``scripts/<name>.py`` (scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 if not torch.cuda.is_available():
     # Triton's interpreter runs the GPU kernels on the CPU, so CI catches their logic errors.

@@ -3,28 +3,19 @@ migration guide and concepts page use exist."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, load_script
 
 import sparseconv
 import sparseconv.models
 import sparseconv.nn
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _api_reference():
-    spec = importlib.util.spec_from_file_location("api_reference", ROOT / "scripts" / "api_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_api_reference_is_current():
-    expected = _api_reference().render()
+    expected = load_script("api_reference").render()
     assert (ROOT / "docs" / "api.md").read_text() == expected, (
         "docs/api.md is stale: run python scripts/api_reference.py"
     )

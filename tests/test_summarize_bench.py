@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("summarize_bench", ROOT / "scripts" / "summarize_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def _row(scene, dtype, c, layer, ours, spconv, sp_triton, ours_bwd, spconv_bwd, sp_triton_bwd, peak, triton="-",
@@ -22,7 +12,7 @@ def _row(scene, dtype, c, layer, ours, spconv, sp_triton, ours_bwd, spconv_bwd, 
 
 
 def test_later_logs_replace_rows_and_the_summary_counts_losers(tmp_path):
-    script = _script()
+    script = load_script("summarize_bench")
     old = tmp_path / "old.log"
     new = tmp_path / "new.log"
     old.write_text("device: x\n" + _row("street1", "float16", 32, "subm3", "9.0", "1.0", "1.0", "9.0", "1.0", "1.0", "1%")
