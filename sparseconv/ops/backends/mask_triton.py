@@ -111,6 +111,31 @@ def active_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
     return kernel_map.derived(("active_lists", forward, sort, block_m, lo, hi), build)
 
 
+def tile_slots(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
+               group: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gather rows each tile reads, laid out in the order it reads them: a flat int32 array
+    holding, tile after tile and for each offset of the tile's active list, the ``block_m`` source
+    rows of its visited rows (-1 = none, also for the slots past the last row); and (tiles,)
+    int64 where each tile's part starts. At most one int32 per row and offset of ``group``."""
+    lo, hi = group or (0, kernel_map.kernel_volume)
+
+    def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = sorted_rows(m, forward, sort, group)
+        offsets, counts = active_lists(m, forward, sort, block_m, group)
+        table = product_table(m, forward)
+        padded = torch.full((counts.numel() * block_m, hi - lo), -1, dtype=torch.int32, device=table.device)
+        padded[: rows.numel()] = table[rows.long(), lo:hi]
+        # (tiles, list slot, row in tile): the source row of each visited row through the listed offset
+        per_tile = padded.view(counts.numel(), block_m, hi - lo).gather(
+            2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
+        listed = torch.arange(offsets.shape[1], device=table.device) < counts.unsqueeze(1).long()
+        starts = torch.zeros(counts.numel(), dtype=torch.int64, device=table.device)
+        torch.cumsum(counts[:-1].long() * block_m, 0, out=starts[1:])
+        return per_tile[listed].reshape(-1).contiguous(), starts
+
+    return kernel_map.derived(("tile_slots", forward, sort, block_m, lo, hi), build)
+
+
 def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -> torch.Tensor:
     """One launch per offset group: the first stores every row, the later ones add theirs (rows
     are re-sorted per group, so each group's tiles are dense in the offsets they visit)."""
@@ -124,9 +149,10 @@ def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -
     for step, group in enumerate(offset_groups(table.shape[1], int(params.get("splits", 1)))):
         rows = sorted_rows(kernel_map, forward, sort, group)
         offsets, counts = active_lists(kernel_map, forward, sort, bm, group)
+        slots, starts = tile_slots(kernel_map, forward, sort, bm, group)
         grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
         kernels.rows_gemm[grid](
-            a, w, table, rows, offsets, counts, out, table.shape[0], reduce_dim, out_dim, table.shape[1],
+            a, w, slots, starts, rows, offsets, counts, out, table.shape[0], reduce_dim, out_dim,
             offsets.shape[1], *strides, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=tk.precision(a.dtype),
             ACCUMULATE=step > 0, **tk.launch_options(params),
         )
@@ -143,7 +169,11 @@ def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, 
 
 TILES = [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
          (64, 32, 32, 4, 2), (128, 128, 64, 8, 3), (32, 64, 32, 4, 2), (128, 64, 64, 4, 4),
-         (64, 256, 32, 8, 3), (128, 256, 32, 8, 3)]
+         (64, 256, 32, 8, 3), (128, 256, 32, 8, 3),
+         # 5 stages: Triton then keeps 3 gathered tiles in flight instead of 2 (the gather rows take
+         # a stage of their own), by the buffers it allocates for sm_90 (Triton 3.9, compiled offline).
+         (64, 128, 32, 4, 5), (64, 128, 64, 4, 5), (128, 128, 64, 8, 5), (128, 256, 64, 8, 5),
+         (64, 256, 32, 4, 5), (128, 256, 32, 8, 5), (64, 64, 64, 4, 5)]
 
 
 def _params(tile: int, sort: bool = True, splits: int = 1) -> dict:
@@ -180,6 +210,6 @@ MASK_IMPLICIT_GEMM = register(
         supports=tk.unsupported,
         pool=pool,
         heuristic=lambda problem: 2.0 if problem.device.type == "cuda" else -5.0,
-        version=2,  # 2: one pipelined loop over (offset, channel block) per tile
+        version=3,  # 2: one pipelined loop over (offset, channel block) per tile; 3: tile-major gather rows
     )
 )

@@ -5,7 +5,8 @@ Three kernels, each computing one tile of a gather-GEMM(-scatter) with fp32 accu
 - ``rows_gemm``: output-stationary. Each program owns BLOCK_M output rows x BLOCK_N columns and
   runs one pipelined loop over (offset, channel block), gathering its rows' neighbours; no
   atomics, deterministic. It visits only the offsets some row of its tile uses (a per-tile list
-  built on the host), which is why rows are sorted by neighbour mask. With ACCUMULATE it adds to
+  built on the host, with the tile's gather rows per listed offset laid out contiguously), which
+  is why rows are sorted by neighbour mask. With ACCUMULATE it adds to
   the output instead (a later group of offsets, its rows sorted by that group's mask).
 - ``pairs_gemm``: pair-stationary. Each program takes BLOCK_P (gather, scatter) pairs of one
   offset, multiplies and atomically adds into an fp32 output (or, where every output row has
@@ -33,8 +34,8 @@ def kernels() -> SimpleNamespace:
 
     @triton.jit
     def rows_gemm(
-        a_ptr, w_ptr, nbr_ptr, rows_ptr, active_ptr, count_ptr, out_ptr,
-        n_rows, reduce_dim, out_dim, num_offsets, list_len,
+        a_ptr, w_ptr, slots_ptr, start_ptr, rows_ptr, active_ptr, count_ptr, out_ptr,
+        n_rows, reduce_dim, out_dim, list_len,
         stride_wk, stride_wr, stride_wo,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -43,12 +44,14 @@ def kernels() -> SimpleNamespace:
         tiles_n = tl.cdiv(out_dim, BLOCK_N)
         pid_m = tl.program_id(0) // tiles_n
         pid_n = tl.program_id(0) % tiles_n
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slot_ok = slots < n_rows
-        rows = tl.load(rows_ptr + slots, mask=slot_ok, other=0).to(tl.int64)
+        lanes = tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < out_dim
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The tile's gather rows, offset after offset, are BLOCK_M consecutive int32 each (-1 = none):
+        # a coalesced load whose address needs only the loop counter, so the pipeliner puts it one
+        # stage ahead of the gather it feeds instead of two (the offset's id, then the row's entry).
+        slots = slots_ptr + tl.load(start_ptr + pid_m) + lanes
         # One pipelined loop over (active offset, channel block): no pipeline drain between offsets.
         k_tiles = tl.cdiv(reduce_dim, BLOCK_K)
         steps = tl.load(count_ptr + pid_m) * k_tiles
@@ -56,16 +59,18 @@ def kernels() -> SimpleNamespace:
             j = t // k_tiles
             ck = (t - j * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
             ck_ok = ck < reduce_dim
+            idx = tl.load(slots + j * BLOCK_M)
             k = tl.load(active_ptr + pid_m * list_len + j)
-            idx = tl.load(nbr_ptr + rows * num_offsets + k, mask=slot_ok, other=-1)
-            valid = idx >= 0
             src = idx.to(tl.int64) * reduce_dim
-            a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=valid[:, None] & ck_ok[None, :], other=0.0)
+            a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=(idx >= 0)[:, None] & ck_ok[None, :], other=0.0)
             w = tl.load(
                 w_ptr + k * stride_wk + ck[:, None] * stride_wr + cols[None, :] * stride_wo,
                 mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
             )
             acc += tl.dot(a, w, input_precision=PRECISION)
+        slot = pid_m * BLOCK_M + lanes
+        slot_ok = slot < n_rows
+        rows = tl.load(rows_ptr + slot, mask=slot_ok, other=0).to(tl.int64)
         out = out_ptr + rows[:, None] * out_dim + cols[None, :]
         out_ok = slot_ok[:, None] & col_ok[None, :]
         if ACCUMULATE:  # a later offset group: add to the rows the earlier groups wrote
