@@ -187,17 +187,25 @@ SPACE = tuple([_params(t, s) for t in range(len(TILES)) for s in (True, False)]
               + [_params(t, True, g) for t in range(len(TILES)) for g in (2, 3)])
 
 
+# The adaptive pool, by the widest channel count: (tiles in one group, tiles in 2 groups, in 3).
+# From scripts/sweep_mask_tiles.py on an H200 (street4 and room2 submanifold maps, 2026-11-21):
+# the five-stage tiles lead from C = 128 up (C = 256: 128x256x64 in 2 groups, 0.97 ms against
+# 1.50 ms for the best three-stage tile); at C <= 64 the short tiles stay ahead.
+POOL_TILES = {
+    256: ([13, 11, 14, 12, 10, 5], [13, 11, 14, 12], [13, 11]),
+    128: ([11, 12, 10, 7, 5, 3], [11, 12, 10], [11, 12]),
+    64: ([7, 16, 4, 0, 1], [7, 0], [7]),
+}
+
+
 def pool(problem: ConvProblem, level: str) -> list[Mapping]:
     widest = max(problem.in_channels, problem.out_channels)
-    tiles = [3, 1, 5, 7, 2] if widest > 64 else [0, 4, 1]
-    if widest > 128:
-        tiles += [8, 9]  # one column tile over all 256 outputs: each gather read once
-    auto = [_params(t) for t in tiles]
+    single, two, three = POOL_TILES[256 if widest > 128 else 128 if widest > 64 else 64]
+    auto = [_params(t) for t in single]
     if problem.kernel_volume > 8:
         # Sorted by one 27-bit mask, a 64-row tile of a street scene visits offsets that only 59%
         # of its rows have; sorted per group of 9-14 offsets, 90-97% (street4, this repo's scenes).
-        split_tiles = ([1, 2] if widest > 64 else [0, 1]) + ([8] if widest > 128 else [])
-        auto += [_params(t, True, g) for t in split_tiles for g in (2, 3)]
+        auto += [_params(t, True, 2) for t in two] + [_params(t, True, 3) for t in three]
     return tk.pool_on(problem, level, SPACE, auto)
 
 
