@@ -12,7 +12,7 @@ from sparse_reference import relative_error
 
 from sparseconv.coords import KernelMapKey
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import cuda_jit, cutlass_gemm, explicit, get, mask_triton
+from sparseconv.ops.backends import cuda_jit, cutlass_gemm, cutlass_sm90, explicit, get, mask_triton
 from sparseconv.ops.problem import ConvProblem
 
 needs_toolchain = pytest.mark.skipif(cuda_jit.unavailable() is not None, reason=str(cuda_jit.unavailable()))
@@ -50,6 +50,24 @@ def test_every_shipped_variant_compiles_for_sm80_and_sm90():
         cubin = future.result().read_bytes()
         for name in (*cutlass_gemm.KERNELS, "sc_launch_info"):
             assert name.encode() in cubin, f"{name} missing from {variant} {arch}"
+
+
+@needs_toolchain
+def test_every_shipped_sm90_variant_compiles_for_sm90a():
+    variants = cutlass_sm90.sm90_variants()
+    assert 0 < len(variants) <= 8
+    futures = [cuda_jit.compile_async(cutlass_sm90.SOURCE, v, cutlass_sm90.ARCH) for v in variants]
+    for variant, future in zip(variants, futures):
+        cubin = future.result().read_bytes()
+        for name in (*cutlass_sm90.KERNELS, cutlass_sm90.LAUNCH_INFO):
+            assert name.encode() in cubin, f"{name} missing from {variant}"
+
+
+def test_arch_specific_targets_compile_through_gencode(tmp_path):
+    tools = cuda_jit.Toolchain("nvcc", "13.0", tmp_path, "0")
+    sm90a = cuda_jit._command(tools, tmp_path / "x.cu", {}, "sm_90a", tmp_path / "x.cubin")
+    assert "-gencode=arch=compute_90a,code=sm_90a" in sm90a and not any(f.startswith("-arch") for f in sm90a)
+    assert "-arch=sm_80" in cuda_jit._command(tools, tmp_path / "x.cu", {}, "sm_80", tmp_path / "x.cubin")
 
 
 @needs_toolchain

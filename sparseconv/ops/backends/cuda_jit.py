@@ -105,9 +105,18 @@ def arch_of(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
+def _target(arch: str) -> str:
+    """nvcc's target flag: ``-arch=sm_XY``, or for an architecture-specific target such as
+    ``sm_90a`` (wgmma, setmaxnreg) the explicit ``-gencode=arch=compute_90a,code=sm_90a``, since
+    nvcc 13.0's ``-arch=sm_90a`` shorthand fails on wgmma."""
+    if arch.endswith("a"):
+        return f"-gencode=arch=compute_{arch.removeprefix('sm_')},code={arch}"
+    return f"-arch={arch}"
+
+
 def _command(tools: Toolchain, source: Path, defines: Mapping[str, int], arch: str, output: Path) -> list[str]:
     return [
-        tools.nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
+        tools.nvcc, "-cubin", _target(arch), "-std=c++17", "-O3", "--expt-relaxed-constexpr",
         "-DNDEBUG", f"-I{tools.cutlass_include}", *(f"-D{k}={v}" for k, v in sorted(defines.items())),
         "-o", str(output), str(source),
     ]

@@ -1,0 +1,417 @@
+// Output-stationary sparse-conv products on Hopper tensor cores (sm_90a: wgmma, mbarriers,
+// setmaxnreg), written with CuTe.
+//
+// One translation unit is one tile configuration of one element type, set by -D flags:
+//   SC_ELEMENT    0 = half, 1 = bfloat16 (fp32 accumulation)
+//   SC_TB_N       128 or 256: output columns per block (the N of one m64nNk16 wgmma)
+//   SC_TB_K       64: channels per pipeline stage (one 128-byte swizzle atom of 16-bit elements)
+//   SC_STAGES     depth of the shared-memory ring between the gathering warps and the wgmma warps
+//   SC_CONSUMERS  1 or 2 wgmma warpgroups; the block owns BM = 64 * SC_CONSUMERS output slots
+//   SC_PRODUCER_FENCE  optional, default 0; 1 = the conservative stage signalling below (not shipped)
+// It defines two extern "C" kernels, sc90_rows_ab and sc90_rows_abt, with the semantics of
+// sc_rows_ab / sc_rows_abt in sparse_gemm.cu but a per-tile list of offsets instead of a mask:
+//   for every slot s of [0, rows): d[order[s]] (+)= sum over the tile's listed offsets k of
+//   A[table[k * rows + s]] @ B_k,
+// where A is (sources + 1, reduce) row-major with an all-zero last row (the "no neighbour" entry
+// of the table, so every entry is a valid row), B_k = W_k (ab: W is (K, reduce, cols)) or
+// W_k^T (abt: W is (K, cols, reduce), dgrad without a copy of W), tile t = BM consecutive slots
+// visits active[t * list_len + j] for j < count[t], and the 1-D grid puts the column tiles of
+// one row tile next to each other (blockIdx.x = pid_m * tiles_n + pid_n) so that they meet the
+// same gathered rows in L2. accumulate = 1 adds to d (read, add in fp32, write) instead of
+// storing: a later group of offsets. Slots and columns past the problem are masked.
+// Requirements: reduce % 8 == 0 and cols % 8 == 0 (every copy is 16 bytes and never straddles
+// the end of a row); neither needs to be a multiple of the tile (the tails are zero-filled).
+// Launch: 128 * (1 + SC_CONSUMERS) threads, sc90_launch_info[kernel] = {threads, dynamic shared
+// bytes} for (ab, abt); the host must raise the kernel's dynamic shared-memory limit to it.
+//
+// Why this shape: the gather is the slow part (every A row is a different, random 128-byte line)
+// and sm_90's tensor copies (TMA) take boxes, not lists of rows, so one warpgroup does nothing
+// but gather: it issues 16-byte cp.async copies straight into the swizzled layouts wgmma reads,
+// up to SC_STAGES steps ahead, and each of its threads signals a stage's "full" mbarrier with
+// cp.async.mbarrier.arrive.noinc, which fires once that thread's copies have landed, so nobody
+// waits on cp.async groups. The wgmma warpgroups never issue a load: they wait for a stage,
+// multiply it from shared memory (SS operands, fp32 in registers), keep one wgmma batch in
+// flight and hand the previous stage back through its "empty" mbarrier. One loop runs over
+// (listed offset, channel block) pairs, so the pipeline never drains between offsets. The
+// gathering warps keep 56 registers and give the rest to the wgmma warps (setmaxnreg), whose
+// 64 x 256 fp32 accumulators take 128 registers a thread.
+
+#include <cute/tensor.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+
+#if SC_ELEMENT == 0
+using Element = cutlass::half_t;
+#elif SC_ELEMENT == 1
+using Element = cutlass::bfloat16_t;
+#else
+#error "SC_ELEMENT must be 0 (half) or 1 (bfloat16)"
+#endif
+
+#if !(SC_TB_N == 128 || SC_TB_N == 256)
+#error "SC_TB_N must be 128 or 256"
+#endif
+#if SC_TB_K != 64
+#error "SC_TB_K must be 64 (one 128-byte swizzle atom of 16-bit elements)"
+#endif
+#if !(SC_CONSUMERS == 1 || SC_CONSUMERS == 2)
+#error "SC_CONSUMERS must be 1 or 2"
+#endif
+#if SC_STAGES < 2
+#error "SC_STAGES must be at least 2"
+#endif
+// SC_PRODUCER_FENCE=1 (not shipped; a fallback to compare against): instead of the asynchronous
+// cp.async.mbarrier.arrive.noinc, each gathering thread waits for its copies of the previous
+// step (cp.async.wait_group 1), fences them into the async proxy itself and then arrives.
+#ifndef SC_PRODUCER_FENCE
+#define SC_PRODUCER_FENCE 0
+#endif
+#if SC_PRODUCER_FENCE && SC_STAGES < 3
+#error "SC_PRODUCER_FENCE signals a stage one step late and needs SC_STAGES >= 3"
+#endif
+
+namespace sc90 {
+
+using namespace cute;
+
+constexpr int kConsumers = SC_CONSUMERS;
+constexpr int kStages = SC_STAGES;
+constexpr int BM = 64 * kConsumers, BN = SC_TB_N, BK = SC_TB_K;
+constexpr int kWarpgroup = 128;
+constexpr int kThreads = kWarpgroup * (1 + kConsumers);
+constexpr int kVector = 8;  // 16-bit elements per 16-byte copy
+// Registers per thread after setmaxnreg, for two wgmma warpgroups: a block of 384 threads starts
+// with 168 each (64K / 384, rounded down to 8) and 128 * producer + 256 * consumer may not exceed
+// 384 * 168. 56 for the gathering warps leaves 224 for the wgmma warps; with 40 (and 232) ptxas
+// spilled the gathering loop's addresses. One wgmma warpgroup (256 threads) starts with enough
+// registers for both roles and reconfigures nothing.
+constexpr int kProducerRegisters = 56;
+constexpr int kConsumerRegisters = (kThreads * 168 - kWarpgroup * kProducerRegisters) / (kWarpgroup * kConsumers) / 8 * 8;
+static_assert(kConsumers == 1 || kConsumerRegisters == 224, "two wgmma warpgroups: 56 + 2 x 224 registers");
+
+// A is K-major (channels contiguous) in both products; B is N-major for ab (a row of W_k holds
+// the output columns) and K-major for abt (a row of W_k holds the reduced channels).
+template <bool Transposed>
+struct Operands {
+  static constexpr GMMA::Major kMajorB = Transposed ? GMMA::Major::K : GMMA::Major::MN;
+  using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                         make_shape(Int<BM>{}, Int<BK>{}, Int<kStages>{})));
+  // An N-major atom is 64 columns x 8 channels: stack the atoms along K first, as CUTLASS's own
+  // sm90 mainloops do for MN-major operands.
+  using LayoutB = conditional_t<
+      Transposed,
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, make_shape(Int<BN>{}, Int<BK>{}, Int<kStages>{}))),
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, make_shape(Int<BN>{}, Int<BK>{}, Int<kStages>{}),
+                             Step<_2, _1, _3>{}))>;
+  // The wgmma warpgroups stack along M: warpgroup g owns rows [64 g, 64 g + 64) of the tile.
+  using Mma = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN>, Int<BK>>, GMMA::Major::K, kMajorB>(),
+      Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+
+  struct alignas(1024) Shared {
+    // 128-byte swizzles repeat every 1024 bytes and wgmma applies them to the absolute shared
+    // address, so every stage starts on a 1024-byte boundary (each is a multiple of 1024 bytes).
+    array_aligned<Element, cosize_v<LayoutA>, 1024> a;
+    array_aligned<Element, cosize_v<LayoutB>, 1024> b;
+    uint64_t full[kStages];   // producer -> consumers: the stage's copies have landed
+    uint64_t empty[kStages];  // consumers -> producer: the stage's wgmmas have read it
+  };
+
+  // + 1024: the dynamic shared window is aligned up to 1024 bytes at run time.
+  static constexpr int kSharedBytes = int(sizeof(Shared)) + 1024;
+};
+
+// One 16-byte global -> shared copy through L2 only; valid = false writes 16 zero bytes and reads
+// nothing (src-size 0: the masked tails and the slots past the last row).
+__device__ __forceinline__ void copy16(uint32_t smem, void const *gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Byte offset of element (mn, k) of stage s in a (MN, K, stage) GMMA shared layout. Such a layout
+// carries its swizzle for the shared address in bytes (Swizzle<3,4,3>: the 16-byte column inside a
+// 128-byte row XOR the row inside 1024 bytes), so it is applied here to the unswizzled byte offset;
+// a 1024-byte aligned base keeps it equal to what wgmma applies to the absolute address.
+template <class L>
+constexpr int byte_offset(int mn, int k, int s) {
+  return int(L{}.layout_a()(int(L{}.layout_b()(mn, k, s)) * int(sizeof(Element))));
+}
+
+// True if moving by (d_mn, d_k) moves every 16-byte piece of a stage (contiguous along MN if
+// mn_major, else along K) by the same number of bytes: a thread's copies then differ by
+// compile-time offsets (immediates in the copy instructions, not one live register per copy).
+template <class L, int MN, int K, bool MnMajor>
+constexpr bool moves_evenly(int d_mn, int d_k, int bytes) {
+  for (int mn = 0; mn + d_mn < MN; mn += MnMajor ? kVector : 1)
+    for (int k = 0; k + d_k < K; k += MnMajor ? 1 : kVector)
+      if (byte_offset<L>(mn + d_mn, k + d_k, 0) - byte_offset<L>(mn, k, 0) != bytes) return false;
+  return true;
+}
+
+// The ring position of step t: stage t % S, parity of the pass (t / S) over the ring.
+struct Ring {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+template <bool Transposed>
+__device__ void rows_gemm(Element const *__restrict__ a, Element const *__restrict__ w, int const *__restrict__ table,
+                          int const *__restrict__ order, int const *__restrict__ active, int const *__restrict__ count,
+                          Element *__restrict__ d, int rows, int reduce, int cols, int list_len, int accumulate) {
+  using Ops = Operands<Transposed>;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  extern __shared__ unsigned char smem_raw[];
+  // Align the window ourselves rather than trust the base of dynamic shared memory.
+  uint32_t base = cute::cast_smem_ptr_to_uint(smem_raw);
+  auto &shared = *reinterpret_cast<typename Ops::Shared *>(smem_raw + ((1024 - (base & 1023)) & 1023));
+
+  Tensor sA = make_tensor(make_smem_ptr(shared.a.data()), typename Ops::LayoutA{});  // (BM, BK, stage)
+  Tensor sB = make_tensor(make_smem_ptr(shared.b.data()), typename Ops::LayoutB{});  // (BN, BK, stage)
+
+  int const tiles_n = (cols + BN - 1) / BN;
+  int const pid_m = blockIdx.x / tiles_n, pid_n = blockIdx.x % tiles_n;
+  int const m0 = pid_m * BM, n0 = pid_n * BN;
+  int const listed = count[pid_m];
+  int const k_blocks = (reduce + BK - 1) / BK;
+  int const steps = listed * k_blocks;
+  int const warpgroup = threadIdx.x / kWarpgroup;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&shared.full[s], kWarpgroup);                 // one cp.async arrival per gathering thread
+      Barrier::init(&shared.empty[s], kWarpgroup * kConsumers);  // one arrival per wgmma thread
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------ producer: gather A, load B_k
+    if constexpr (kConsumers > 1) cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    using LayoutA = typename Ops::LayoutA;
+    using LayoutB = typename Ops::LayoutB;
+    int const thread = threadIdx.x;
+    constexpr int kStageA = byte_offset<LayoutA>(0, 0, 1), kStageB = byte_offset<LayoutB>(0, 0, 1);
+    uint32_t const smem_a = cute::cast_smem_ptr_to_uint(shared.a.data());
+    uint32_t const smem_b = cute::cast_smem_ptr_to_uint(shared.b.data());
+
+    // A: two threads per gathered row, each copying every other 16-byte piece of its BK channels,
+    // so that every copy instruction of a warp fills whole 32-byte sectors of 16 rows; a thread
+    // owns rows a_row + 64 i. Its pieces sit at fixed offsets from the row's first one.
+    constexpr int kRowsA = BM / 64, kPiecesA = BK / 16;
+    static_assert(moves_evenly<LayoutA, BM, BK, false>(64, 0, 64 * BK * int(sizeof(Element))), "A rows 64 apart");
+    int const a_row = thread / 2, a_half = (thread % 2) * kVector;
+    uint32_t a_piece[kPiecesA];
+    CUTE_UNROLL
+    for (int c = 0; c < kPiecesA; ++c) a_piece[c] = smem_a + byte_offset<LayoutA>(a_row, 16 * c + a_half, 0);
+
+    // B: the rows of W_k are contiguous in global memory; consecutive threads copy consecutive
+    // 16-byte pieces of one row (coalesced), the passes step 8 (ab) or 16 (abt) tile rows so
+    // that the swizzle repeats and each pass is a compile-time offset from one of kPhases bases.
+    constexpr int kChunksB = (Transposed ? BK : BN) / kVector;  // threads per contiguous row of W_k
+    constexpr int kRowsPerPass = kWarpgroup / kChunksB;
+    constexpr int kPasses = (Transposed ? BN : BK) / kRowsPerPass;
+    constexpr int kPhases = kRowsPerPass < 8 ? 8 / kRowsPerPass : 1;
+    constexpr int kPeriod = kRowsPerPass * kPhases;  // tile rows between two passes of one phase
+    constexpr int kPeriodBytes = Transposed ? byte_offset<LayoutB>(kPeriod, 0, 0) : byte_offset<LayoutB>(0, kPeriod, 0);
+    static_assert(kPeriod % 8 == 0 && kPasses % kPhases == 0, "passes must repeat the swizzle");
+    static_assert(Transposed ? moves_evenly<LayoutB, BN, BK, false>(kPeriod, 0, kPeriodBytes)
+                             : moves_evenly<LayoutB, BN, BK, true>(0, kPeriod, kPeriodBytes),
+                  "B passes a swizzle period apart");
+    int const b_piece = (thread % kChunksB) * kVector;  // element of the contiguous row
+    int const b_row = thread / kChunksB;                // row of W_k (channel for ab, column for abt)
+    uint32_t b_base[kPhases];
+    CUTE_UNROLL
+    for (int f = 0; f < kPhases; ++f) {
+      int row = b_row + f * kRowsPerPass;
+      b_base[f] = smem_b + (Transposed ? byte_offset<LayoutB>(row, b_piece, 0) : byte_offset<LayoutB>(b_piece, row, 0));
+    }
+
+    int const *const offsets = active + (long long)pid_m * list_len;
+    if (steps > 0) {
+      // Source rows of the current and of the next listed offset: the next offset's table entries
+      // load while this one's copies go out, and the offset after that is read one offset earlier.
+      int source[kRowsA], upcoming[kRowsA];
+      int k = offsets[0];
+      int k_next = listed > 1 ? offsets[1] : 0;
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsA; ++i) {
+        int slot = m0 + a_row + 64 * i;
+        source[i] = slot < rows ? table[(long long)k * rows + slot] : -1;
+      }
+      Ring ring;
+#if SC_PRODUCER_FENCE
+      int pending = -1;  // the stage whose copies were issued but not yet announced
+#endif
+      for (int j = 0; j < listed; ++j) {
+        int k_after = 0;
+        if (j + 1 < listed) {
+          CUTE_UNROLL
+          for (int i = 0; i < kRowsA; ++i) {
+            int slot = m0 + a_row + 64 * i;
+            upcoming[i] = slot < rows ? table[(long long)k_next * rows + slot] : -1;
+          }
+          if (j + 2 < listed) k_after = offsets[j + 2];
+        }
+        Element const *const w_k = w + (long long)k * reduce * cols;
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          Barrier::wait(&shared.empty[ring.stage], ring.phase ^ 1);  // a fresh barrier passes parity 1
+          int const c0 = kb * BK;
+          CUTE_UNROLL
+          for (int i = 0; i < kRowsA; ++i) {
+            Element const *row = a + (long long)source[i] * reduce + c0 + a_half;
+            CUTE_UNROLL
+            for (int c = 0; c < kPiecesA; ++c) {
+              bool ok = source[i] >= 0 && c0 + a_half + 16 * c < reduce;
+              copy16(a_piece[c] + ring.stage * kStageA + i * 64 * BK * int(sizeof(Element)), ok ? row + 16 * c : a, ok);
+            }
+          }
+          // One running pointer (and row count) down the rows of W_k; the empty asm hides their
+          // steps from the compiler, which would otherwise keep every pass's address and bound
+          // check live across the loops (the gathering warps have 56 registers).
+          long long const row_stride = Transposed ? reduce : cols;
+          bool const piece_ok = Transposed ? c0 + b_piece < reduce : n0 + b_piece < cols;
+          int rows_left = (Transposed ? cols - n0 : reduce - c0) - b_row;
+          Element const *src = Transposed ? w_k + (long long)(n0 + b_row) * reduce + c0 + b_piece
+                                          : w_k + (long long)(c0 + b_row) * cols + n0 + b_piece;
+          CUTE_UNROLL
+          for (int p = 0; p < kPasses; ++p) {
+            bool ok = piece_ok && rows_left > 0;
+            copy16(b_base[p % kPhases] + ring.stage * kStageB + (p / kPhases) * kPeriodBytes, ok ? src : w, ok);
+            src += kRowsPerPass * row_stride;
+            rows_left -= kRowsPerPass;
+            asm volatile("" : "+l"(src), "+r"(rows_left));
+          }
+#if SC_PRODUCER_FENCE
+          asm volatile("cp.async.commit_group;\n" ::: "memory");
+          if (pending >= 0) {  // the previous step's copies: landed, fenced, announced
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+            cutlass::arch::fence_view_async_shared();
+            Barrier::arrive(&shared.full[pending]);
+          }
+          pending = ring.stage;
+#else
+          cutlass::arch::cpasync_barrier_arrive_noinc(&shared.full[ring.stage]);
+#endif
+          ring.advance();
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kRowsA; ++i) source[i] = upcoming[i];
+        k = k_next;
+        k_next = k_after;
+      }
+      // Leave no copy in flight behind an exiting thread.
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+#if SC_PRODUCER_FENCE
+      cutlass::arch::fence_view_async_shared();
+      Barrier::arrive(&shared.full[pending]);
+#endif
+    }
+  } else {
+    // ------------------------------------------------------------ consumers: wgmma + epilogue
+    if constexpr (kConsumers > 1) cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+    int const thread = threadIdx.x - kWarpgroup;
+    typename Ops::Mma mma;
+    auto thread_mma = mma.get_slice(thread);
+    Tensor tCsA = thread_mma.partition_A(sA);  // (MMA, MMA_M, MMA_K, stage)
+    Tensor tCsB = thread_mma.partition_B(sB);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tCrA = thread_mma.make_fragment_A(tCsA);  // wgmma descriptors
+    Tensor tCrB = thread_mma.make_fragment_B(tCsB);
+    Tensor acc = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});  // ((2, 2, BN / 8), 1, 1) fp32
+    clear(acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+
+    Ring ring, release;
+    for (int t = 0; t < steps; ++t) {
+      Barrier::wait(&shared.full[ring.stage], ring.phase);
+#if !SC_PRODUCER_FENCE
+      // cp.async writes through the generic proxy and wgmma reads through the async proxy, and a
+      // gathering thread cannot fence copies that land after it has moved on: order the stage's
+      // writes, acquired through the barrier, before this thread's wgmmas here instead.
+      cutlass::arch::fence_view_async_shared();
+#endif
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      gemm(mma, tCrA(_, _, _, ring.stage), tCrB(_, _, _, ring.stage), acc);
+      warpgroup_commit_batch();
+      // At most this batch in flight: the previous one has read its stage, hand that stage back.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc);
+      if (t > 0) {
+        Barrier::arrive(&shared.empty[release.stage]);
+        release.advance();
+      }
+      ring.advance();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+
+    if (accumulate && steps == 0) return;  // nothing to add
+    // Each thread holds pairs of adjacent columns of two rows 8 apart (value modes (2, 2, BN / 8)
+    // of the wgmma accumulator: +1 column, +8 rows, +8 columns); the checks below pin that.
+    using CLayout = typename Ops::Mma::Atom::LayoutC_TV;  // (thread, value) -> m + 64 n
+    static_assert(decltype(stride<1, 0>(CLayout{}))::value == 64 && decltype(stride<1, 1>(CLayout{}))::value == 8 &&
+                      decltype(stride<1, 2>(CLayout{}))::value == 512,
+                  "unexpected wgmma accumulator layout");
+    static_assert(decltype(size<0, 2>(acc))::value == BN / 8 && decltype(size<1>(acc))::value == 1 &&
+                      decltype(size<2>(acc))::value == 1,
+                  "one wgmma tile per warpgroup");
+    Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+    long long out_row[2];
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      int slot = m0 + get<0>(coords(make_coord(make_coord(0, half, 0), 0, 0)));
+      out_row[half] = slot < rows ? (long long)order[slot] * cols : -1;
+    }
+    CUTE_UNROLL
+    for (int group = 0; group < BN / 8; ++group) {
+      int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, group), 0, 0)));
+      if (col >= cols) continue;  // cols % 8 == 0: col + 1 < cols as well
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        if (out_row[half] < 0) continue;
+        float lo = acc(make_coord(make_coord(0, half, group), 0, 0));
+        float hi = acc(make_coord(make_coord(1, half, group), 0, 0));
+        uint32_t *target = reinterpret_cast<uint32_t *>(d + out_row[half] + col);
+        if (accumulate) {
+          uint32_t old = *target;
+          lo += float(Element::bitcast(uint16_t(old & 0xffffu)));
+          hi += float(Element::bitcast(uint16_t(old >> 16)));
+        }
+        *target = uint32_t(Element(lo).raw()) | (uint32_t(Element(hi).raw()) << 16);
+      }
+    }
+  }
+}
+
+}  // namespace sc90
+
+extern "C" __global__ void __launch_bounds__(sc90::kThreads, 1)
+sc90_rows_ab(Element const *a, Element const *w, int const *table, int const *order, int const *active,
+             int const *count, Element *d, int rows, int reduce, int cols, int num_offsets, int list_len,
+             int accumulate) {
+  sc90::rows_gemm<false>(a, w, table, order, active, count, d, rows, reduce, cols, list_len, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(sc90::kThreads, 1)
+sc90_rows_abt(Element const *a, Element const *w, int const *table, int const *order, int const *active,
+              int const *count, Element *d, int rows, int reduce, int cols, int num_offsets, int list_len,
+              int accumulate) {
+  sc90::rows_gemm<true>(a, w, table, order, active, count, d, rows, reduce, cols, list_len, accumulate);
+}
+
+// {threads per block, dynamic shared bytes} of sc90_rows_ab, sc90_rows_abt.
+extern "C" __device__ int sc90_launch_info[2][2] = {
+    {sc90::kThreads, sc90::Operands<false>::kSharedBytes},
+    {sc90::kThreads, sc90::Operands<true>::kSharedBytes},
+};
