@@ -190,22 +190,32 @@ def load(path: Path, device_index: int) -> dict[str, Kernel]:
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(path=str(path))
         info = cupy.ndarray((2, 2), cupy.int32, module.get_global(cutlass_sm90.LAUNCH_INFO)).get().tolist()
-        return {name: Kernel(module, name, t, s) for name, (t, s) in zip(cutlass_sm90.KERNELS, info)}
+        kernels = {name: Kernel(module, name, t, s) for name, (t, s) in zip(cutlass_sm90.KERNELS, info)}
+        kernels.update({name: Kernel(module, name, 256, 0) for name in cutlass_sm90.PACK_KERNELS})
+        return kernels
 
 
-def run_kernel(kernel: Kernel, variant: dict, prep: Prepared, source: torch.Tensor, w: torch.Tensor,
-               out: torch.Tensor, accumulate: bool) -> None:
+def run_kernel(kernels: dict[str, Kernel], forward: bool, variant: dict, prep: Prepared, source: torch.Tensor,
+               w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """Pack W for the variant (timed with the product: a layer packs on every call), then multiply."""
     import cupy
 
     rows, cols = out.shape
+    reduce, num_offsets = source.shape[1], w.shape[0]
+    packed = torch.empty(cutlass_sm90.packed_numel(variant, num_offsets, reduce, cols), device=w.device,
+                         dtype=w.dtype)
     tiles = math.ceil(rows / prep.block_m) * math.ceil(cols / variant["SC_TB_N"])
     device = out.device
-    args = (source, w, prep.table, prep.order, prep.active, prep.count, out, rows, source.shape[1], cols,
-            prep.table.shape[0], prep.active.shape[1], int(accumulate))
+    pack = kernels[cutlass_sm90.PACK_KERNELS[0 if forward else 1]]
+    product = kernels[cutlass_sm90.KERNELS[0 if forward else 1]]
+    args = (source, packed, prep.table, prep.order, prep.active, prep.count, out, rows, reduce, cols,
+            prep.sources, prep.active.shape[1], int(accumulate))
     stream = cutlass_gemm._cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index), stream:
-        kernel.function((tiles,), (kernel.threads,), tuple(cutlass_gemm._argument(a) for a in args),
-                        shared_mem=kernel.shared)
+        pack.function((min(1024, math.ceil(packed.numel() / pack.threads)),), (pack.threads,),
+                      tuple(cutlass_gemm._argument(a) for a in (w, packed, num_offsets, reduce, cols)))
+        product.function((tiles,), (product.threads,), tuple(cutlass_gemm._argument(a) for a in args),
+                         shared_mem=product.shared)
 
 
 class Watchdog:
@@ -315,13 +325,14 @@ def gpu(args) -> int:
         if ref_key not in references:
             references[ref_key] = reference(a, ops["w"], nbr, forward)
         ref = references[ref_key]
-        source = torch.cat([a, a.new_zeros(1, a.shape[1])])
+        # The "no neighbour" row is NaN here: the kernel must fill its zeros without reading it.
+        source = torch.cat([a, a.new_full((1, a.shape[1]), float("nan"))])
         if accumulate:
             out = torch.randn(ref.shape, device=device).to(dtype)
             ref = ref + out.float()
         else:
             out = torch.full(ref.shape, float("nan"), device=device, dtype=dtype)
-        run_kernel(ks["sc90_rows_ab" if forward else "sc90_rows_abt"], variant, prep, source, ops["w"], out, accumulate)
+        run_kernel(ks, forward, variant, prep, source, ops["w"], out, accumulate)
         torch.cuda.synchronize()
         nan = int(torch.isnan(out).sum())
         error = relative_error(out, ref)
@@ -366,8 +377,7 @@ def gpu(args) -> int:
                 continue
             block_m = 64 * variant["SC_CONSUMERS"]
             prep = prepared[(True, block_m)] if (True, block_m) in prepared else Prepared(kernel_map, True, block_m)
-            fn = (lambda v=variant, k=ks["sc90_rows_ab"], p=prep, s=source, w=w, o=rows_out:
-                  run_kernel(k, v, p, s, w, o, False))
+            fn = (lambda v=variant, k=ks, p=prep, s=source, w=w, o=rows_out: run_kernel(k, True, v, p, s, w, o, False))
             entries.append((f"sc90 {label}", fn))
         for m, n, k, warps, stages in TRITON_TILES:
             params = {"block_m": m, "block_n": n, "block_k": k, "num_warps": warps, "num_stages": stages,

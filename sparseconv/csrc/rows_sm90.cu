@@ -12,15 +12,17 @@
 // sc_rows_ab / sc_rows_abt in sparse_gemm.cu but a per-tile list of offsets instead of a mask:
 //   for every slot s of [0, rows): d[order[s]] (+)= sum over the tile's listed offsets k of
 //   A[table[k * rows + s]] @ B_k,
-// where A is (sources + 1, reduce) row-major with an all-zero last row (the "no neighbour" entry
-// of the table, so every entry is a valid row), B_k = W_k (ab: W is (K, reduce, cols)) or
-// W_k^T (abt: W is (K, cols, reduce), dgrad without a copy of W), tile t = BM consecutive slots
-// visits active[t * list_len + j] for j < count[t], and the 1-D grid puts the column tiles of
-// one row tile next to each other (blockIdx.x = pid_m * tiles_n + pid_n) so that they meet the
-// same gathered rows in L2. accumulate = 1 adds to d (read, add in fp32, write) instead of
-// storing: a later group of offsets. Slots and columns past the problem are masked.
-// Requirements: reduce % 8 == 0 and cols % 8 == 0 (every copy is 16 bytes and never straddles
-// the end of a row); neither needs to be a multiple of the tile (the tails are zero-filled).
+// where A is (sources + 1, reduce) row-major whose last row is the "no neighbour" entry of the
+// table (never read: the kernel takes `sources` and writes zeros for it, so its contents do not
+// matter), B_k = W_k (ab: W is (K, reduce, cols)) or W_k^T (abt: W is (K, cols, reduce), dgrad
+// without a transposed copy), passed as W_packed from sc90_pack_ab / sc90_pack_abt of the same
+// translation unit (B_k cut into the kernel's shared-memory tiles, see pack_b), tile t = BM
+// consecutive slots visits active[t * list_len + j] for j < count[t], and the 1-D grid puts the
+// column tiles of one row tile next to each other (blockIdx.x = pid_m * tiles_n + pid_n) so that
+// they meet the same gathered rows in L2. accumulate = 1 adds to d (read, add in fp32, write)
+// instead of storing: a later group of offsets. Slots and columns past the problem are masked.
+// Requirements: reduce % 8 == 0 and cols % 8 == 0 (every copy of A is 16 bytes and never
+// straddles the end of a row; the packed W is zero-padded to whole tiles).
 // Launch: 128 * (1 + SC_CONSUMERS) threads, sc90_launch_info[kernel] = {threads, dynamic shared
 // bytes} for (ab, abt); the host must raise the kernel's dynamic shared-memory limit to it.
 //
@@ -29,14 +31,16 @@
 // but gather: it issues 16-byte cp.async copies straight into the swizzled layouts wgmma reads,
 // up to SC_STAGES steps ahead, and each of its threads signals a stage's "full" mbarrier with
 // cp.async.mbarrier.arrive.noinc, which fires once that thread's copies have landed, so nobody
-// waits on cp.async groups. The wgmma warpgroups never issue a load: they wait for a stage,
-// multiply it from shared memory (SS operands, fp32 in registers), keep one wgmma batch in
-// flight and hand the previous stage back through its "empty" mbarrier. One loop runs over
-// (listed offset, channel block) pairs, so the pipeline never drains between offsets. The
-// gathering warps keep 56 registers and give the rest to the wgmma warps (setmaxnreg), whose
-// 64 x 256 fp32 accumulators take 128 registers a thread.
+// waits on cp.async groups. B_k, already in shared-memory order, comes in one bulk copy a stage
+// (cp.async.bulk, counted on the same barrier as bytes). The wgmma warpgroups never issue a
+// load: they wait for a stage, multiply it from shared memory (SS operands, fp32 in registers),
+// keep one wgmma batch in flight and hand the previous stage back through its "empty" mbarrier.
+// One loop runs over (listed offset, channel block) pairs, so the pipeline never drains between
+// offsets. The gathering warps keep 56 registers and give the rest to the wgmma warps
+// (setmaxnreg), whose 64 x 256 fp32 accumulators take 128 registers a thread.
 
 #include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
@@ -167,7 +171,8 @@ struct Ring {
 template <bool Transposed>
 __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restrict__ w, int const *__restrict__ table,
                           int const *__restrict__ order, int const *__restrict__ active, int const *__restrict__ count,
-                          Element *__restrict__ d, int rows, int reduce, int cols, int list_len, int accumulate) {
+                          Element *__restrict__ d, int rows, int zero_row, int reduce, int cols, int list_len,
+                          int accumulate) {
   using Ops = Operands<Transposed>;
   using Barrier = cutlass::arch::ClusterBarrier;
   extern __shared__ unsigned char smem_raw[];
@@ -203,39 +208,28 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
     int const thread = threadIdx.x;
     constexpr int kStageA = byte_offset<LayoutA>(0, 0, 1), kStageB = byte_offset<LayoutB>(0, 0, 1);
     uint32_t const smem_a = cute::cast_smem_ptr_to_uint(shared.a.data());
-    uint32_t const smem_b = cute::cast_smem_ptr_to_uint(shared.b.data());
 
-    // A: two threads per gathered row, each copying every other 16-byte piece of its BK channels,
-    // so that every copy instruction of a warp fills whole 32-byte sectors of 16 rows; a thread
-    // owns rows a_row + 64 i. Its pieces sit at fixed offsets from the row's first one.
-    constexpr int kRowsA = BM / 64, kPiecesA = BK / 16;
-    static_assert(moves_evenly<LayoutA, BM, BK, false>(64, 0, 64 * BK * int(sizeof(Element))), "A rows 64 apart");
-    int const a_row = thread / 2, a_half = (thread % 2) * kVector;
-    uint32_t a_piece[kPiecesA];
-    CUTE_UNROLL
-    for (int c = 0; c < kPiecesA; ++c) a_piece[c] = smem_a + byte_offset<LayoutA>(a_row, 16 * c + a_half, 0);
+    // A: eight threads per gathered row, one 16-byte piece of its BK channels each, so that every
+    // copy instruction of a warp reads 4 whole 128-byte lines (a layout with fewer threads per
+    // row touches more lines per instruction, and the load pipeline, not the bytes, becomes the
+    // limit: 2 threads a row, 16 rows an instruction, ran 3.6x slower on an H200). A thread owns
+    // rows a_row + 16 i, all at the same swizzle phase, so its copies differ by immediates.
+    constexpr int kThreadsPerRowA = BK / kVector, kRowsPerPassA = kWarpgroup / kThreadsPerRowA;
+    constexpr int kRowsA = BM / kRowsPerPassA;
+    constexpr int kPassBytesA = kRowsPerPassA * BK * int(sizeof(Element));
+    static_assert(moves_evenly<LayoutA, BM, BK, false>(kRowsPerPassA, 0, kPassBytesA), "A passes a swizzle period apart");
+    int const a_row = thread / kThreadsPerRowA, a_piece = (thread % kThreadsPerRowA) * kVector;
+    uint32_t const a_smem = smem_a + byte_offset<LayoutA>(a_row, a_piece, 0);
 
-    // B: the rows of W_k are contiguous in global memory; consecutive threads copy consecutive
-    // 16-byte pieces of one row (coalesced), the passes step 8 (ab) or 16 (abt) tile rows so
-    // that the swizzle repeats and each pass is a compile-time offset from one of kPhases bases.
-    constexpr int kChunksB = (Transposed ? BK : BN) / kVector;  // threads per contiguous row of W_k
-    constexpr int kRowsPerPass = kWarpgroup / kChunksB;
-    constexpr int kPasses = (Transposed ? BN : BK) / kRowsPerPass;
-    constexpr int kPhases = kRowsPerPass < 8 ? 8 / kRowsPerPass : 1;
-    constexpr int kPeriod = kRowsPerPass * kPhases;  // tile rows between two passes of one phase
-    constexpr int kPeriodBytes = Transposed ? byte_offset<LayoutB>(kPeriod, 0, 0) : byte_offset<LayoutB>(0, kPeriod, 0);
-    static_assert(kPeriod % 8 == 0 && kPasses % kPhases == 0, "passes must repeat the swizzle");
-    static_assert(Transposed ? moves_evenly<LayoutB, BN, BK, false>(kPeriod, 0, kPeriodBytes)
-                             : moves_evenly<LayoutB, BN, BK, true>(0, kPeriod, kPeriodBytes),
-                  "B passes a swizzle period apart");
-    int const b_piece = (thread % kChunksB) * kVector;  // element of the contiguous row
-    int const b_row = thread / kChunksB;                // row of W_k (channel for ab, column for abt)
-    uint32_t b_base[kPhases];
-    CUTE_UNROLL
-    for (int f = 0; f < kPhases; ++f) {
-      int row = b_row + f * kRowsPerPass;
-      b_base[f] = smem_b + (Transposed ? byte_offset<LayoutB>(row, b_piece, 0) : byte_offset<LayoutB>(b_piece, row, 0));
-    }
+    // B: one thread copies the stage's whole tile of the packed W (sc90_pack_*: each tile of B_k
+    // is already in the swizzled order of a stage, BN x BK contiguous elements) with one bulk
+    // copy that completes on the stage's "full" barrier. 16 cp.async a thread for a 256 x 64
+    // tile, beside the gathers, kept the gathering warps from issuing; this is one instruction.
+    constexpr uint32_t kTileBytesB = BN * BK * sizeof(Element);
+    static_assert(kStageB == int(kTileBytesB), "a stage of B is one contiguous tile");
+    bool const copies_b = thread == 0;
+    Element const *const b_tiles = w + (long long)pid_n * BN * BK;  // tile (k, kb, pid_n) of W_packed
+    long long const b_tile_step = (long long)tiles_n * BN * BK;      // to (k, kb + 1, pid_n)
 
     int const *const offsets = active + (long long)pid_m * list_len;
     if (steps > 0) {
@@ -246,7 +240,7 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
       int k_next = listed > 1 ? offsets[1] : 0;
       CUTE_UNROLL
       for (int i = 0; i < kRowsA; ++i) {
-        int slot = m0 + a_row + 64 * i;
+        int slot = m0 + a_row + kRowsPerPassA * i;
         source[i] = slot < rows ? table[(long long)k * rows + slot] : -1;
       }
       Ring ring;
@@ -258,39 +252,29 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
         if (j + 1 < listed) {
           CUTE_UNROLL
           for (int i = 0; i < kRowsA; ++i) {
-            int slot = m0 + a_row + 64 * i;
+            int slot = m0 + a_row + kRowsPerPassA * i;
             upcoming[i] = slot < rows ? table[(long long)k_next * rows + slot] : -1;
           }
           if (j + 2 < listed) k_after = offsets[j + 2];
         }
-        Element const *const w_k = w + (long long)k * reduce * cols;
+        Element const *const b_k = b_tiles + (long long)k * k_blocks * b_tile_step;
         for (int kb = 0; kb < k_blocks; ++kb) {
           Barrier::wait(&shared.empty[ring.stage], ring.phase ^ 1);  // a fresh barrier passes parity 1
+          if (copies_b) {
+            // Before this thread's arrival below, so the phase cannot complete without the bytes.
+            cutlass::arch::ClusterTransactionBarrier::expect_transaction(&shared.full[ring.stage], kTileBytesB);
+            SM90_BULK_COPY_G2S::copy(b_k + kb * b_tile_step, &shared.full[ring.stage],
+                                     shared.b.data() + ring.stage * (kStageB / int(sizeof(Element))), kTileBytesB);
+          }
           int const c0 = kb * BK;
+          bool const piece_in = c0 + a_piece < reduce;
           CUTE_UNROLL
           for (int i = 0; i < kRowsA; ++i) {
-            Element const *row = a + (long long)source[i] * reduce + c0 + a_half;
-            CUTE_UNROLL
-            for (int c = 0; c < kPiecesA; ++c) {
-              bool ok = source[i] >= 0 && c0 + a_half + 16 * c < reduce;
-              copy16(a_piece[c] + ring.stage * kStageA + i * 64 * BK * int(sizeof(Element)), ok ? row + 16 * c : a, ok);
-            }
-          }
-          // One running pointer (and row count) down the rows of W_k; the empty asm hides their
-          // steps from the compiler, which would otherwise keep every pass's address and bound
-          // check live across the loops (the gathering warps have 56 registers).
-          long long const row_stride = Transposed ? reduce : cols;
-          bool const piece_ok = Transposed ? c0 + b_piece < reduce : n0 + b_piece < cols;
-          int rows_left = (Transposed ? cols - n0 : reduce - c0) - b_row;
-          Element const *src = Transposed ? w_k + (long long)(n0 + b_row) * reduce + c0 + b_piece
-                                          : w_k + (long long)(c0 + b_row) * cols + n0 + b_piece;
-          CUTE_UNROLL
-          for (int p = 0; p < kPasses; ++p) {
-            bool ok = piece_ok && rows_left > 0;
-            copy16(b_base[p % kPhases] + ring.stage * kStageB + (p / kPhases) * kPeriodBytes, ok ? src : w, ok);
-            src += kRowsPerPass * row_stride;
-            rows_left -= kRowsPerPass;
-            asm volatile("" : "+l"(src), "+r"(rows_left));
+            // The zero row is never read: a copy of size 0 fills the same zeros without an L2
+            // request (a quarter of the gathered rows, all on one line, would queue on one slice).
+            bool ok = piece_in && source[i] >= 0 && source[i] != zero_row;
+            copy16(a_smem + ring.stage * kStageA + i * kPassBytesA,
+                   ok ? a + (long long)source[i] * reduce + c0 + a_piece : a, ok);
           }
 #if SC_PRODUCER_FENCE
           asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -394,20 +378,52 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
   }
 }
 
+// W_packed of sc90_rows_ab / sc90_rows_abt: tile (k, kb, nb) of B_k, that is rows kb * BK.. and
+// columns nb * BN.. of W_k (ab) or W_k^T (abt), stored as the BN x BK elements of one shared
+// stage in that stage's swizzled order, zeros past the ends of W; tiles ordered (k, kb, nb).
+template <bool Transposed>
+__device__ void pack_b(Element const *__restrict__ w, Element *__restrict__ packed, int num_offsets, int reduce,
+                       int cols) {
+  using LayoutB = typename Operands<Transposed>::LayoutB;
+  int const k_blocks = (reduce + BK - 1) / BK, tiles_n = (cols + BN - 1) / BN;
+  long long const total = (long long)num_offsets * k_blocks * tiles_n * BN * BK;
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
+       e += (long long)gridDim.x * blockDim.x) {
+    int const kk = int(e % BK), n = int(e / BK % BN);
+    long long const tile = e / (BN * BK);
+    int const nb = int(tile % tiles_n), kb = int(tile / tiles_n % k_blocks), k = int(tile / tiles_n / k_blocks);
+    int const c = kb * BK + kk, col = nb * BN + n;
+    Element value = Element(0.f);
+    if (c < reduce && col < cols)
+      value = Transposed ? w[((long long)k * cols + col) * reduce + c] : w[((long long)k * reduce + c) * cols + col];
+    packed[tile * BN * BK + byte_offset<LayoutB>(n, kk, 0) / int(sizeof(Element))] = value;
+  }
+}
+
 }  // namespace sc90
 
 extern "C" __global__ void __launch_bounds__(sc90::kThreads, 1)
-sc90_rows_ab(Element const *a, Element const *w, int const *table, int const *order, int const *active,
-             int const *count, Element *d, int rows, int reduce, int cols, int num_offsets, int list_len,
+sc90_rows_ab(Element const *a, Element const *w_packed, int const *table, int const *order, int const *active,
+             int const *count, Element *d, int rows, int reduce, int cols, int sources, int list_len,
              int accumulate) {
-  sc90::rows_gemm<false>(a, w, table, order, active, count, d, rows, reduce, cols, list_len, accumulate);
+  sc90::rows_gemm<false>(a, w_packed, table, order, active, count, d, rows, sources, reduce, cols, list_len, accumulate);
 }
 
 extern "C" __global__ void __launch_bounds__(sc90::kThreads, 1)
-sc90_rows_abt(Element const *a, Element const *w, int const *table, int const *order, int const *active,
-              int const *count, Element *d, int rows, int reduce, int cols, int num_offsets, int list_len,
+sc90_rows_abt(Element const *a, Element const *w_packed, int const *table, int const *order, int const *active,
+              int const *count, Element *d, int rows, int reduce, int cols, int sources, int list_len,
               int accumulate) {
-  sc90::rows_gemm<true>(a, w, table, order, active, count, d, rows, reduce, cols, list_len, accumulate);
+  sc90::rows_gemm<true>(a, w_packed, table, order, active, count, d, rows, sources, reduce, cols, list_len, accumulate);
+}
+
+// W (K, reduce, cols) for ab or (K, cols, reduce) for abt -> W_packed, num_offsets * ceil(reduce / BK)
+// * ceil(cols / BN) * BN * BK elements; any 1-D launch (a grid-stride loop).
+extern "C" __global__ void sc90_pack_ab(Element const *w, Element *packed, int num_offsets, int reduce, int cols) {
+  sc90::pack_b<false>(w, packed, num_offsets, reduce, cols);
+}
+
+extern "C" __global__ void sc90_pack_abt(Element const *w, Element *packed, int num_offsets, int reduce, int cols) {
+  sc90::pack_b<true>(w, packed, num_offsets, reduce, cols);
 }
 
 // {threads per block, dynamic shared bytes} of sc90_rows_ab, sc90_rows_abt.

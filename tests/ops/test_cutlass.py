@@ -59,7 +59,7 @@ def test_every_shipped_sm90_variant_compiles_for_sm90a():
     futures = [cuda_jit.compile_async(cutlass_sm90.SOURCE, v, cutlass_sm90.ARCH) for v in variants]
     for variant, future in zip(variants, futures):
         cubin = future.result().read_bytes()
-        for name in (*cutlass_sm90.KERNELS, cutlass_sm90.LAUNCH_INFO):
+        for name in (*cutlass_sm90.KERNELS, *cutlass_sm90.PACK_KERNELS, cutlass_sm90.LAUNCH_INFO):
             assert name.encode() in cubin, f"{name} missing from {variant}"
 
 
