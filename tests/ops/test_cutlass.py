@@ -117,6 +117,23 @@ def test_problems_the_cutlass_backends_refuse_say_why(overrides, expected, allow
     assert expected in cutlass_gemm.unsupported(_problem(**overrides))
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    ({"device": torch.device("cpu")}, "cutlass_sm90 runs on CUDA devices only"),
+    ({"dtype": torch.float32}, "float16 or bfloat16, not torch.float32"),
+    ({"in_channels": 13}, "in_channels=13"),
+])
+def test_problems_cutlass_sm90_refuses_say_why(overrides, expected):
+    assert expected in cutlass_sm90.unsupported(_problem(**overrides))
+
+
+def test_cutlass_sm90_runs_on_sm90_only(monkeypatch):
+    monkeypatch.setattr(cutlass_gemm, "unsupported", lambda problem: None)  # as if nvcc and CuPy were here
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert "sm_90a (wgmma: H100/H200) only, this GPU is sm_89" in cutlass_sm90.unsupported(_problem())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cutlass_sm90.unsupported(_problem()) is None
+
+
 def test_float32_without_tf32_is_refused(allow_tf32):
     allow_tf32(False)
     assert "allow_tf32" in cutlass_gemm.unsupported(_problem(dtype=torch.float32))
@@ -128,6 +145,8 @@ def test_pinning_a_cutlass_backend_where_it_cannot_run_raises_the_reason():
     weight = torch.randn(27, 8, 8)
     with pytest.raises(ValueError, match="cutlass_grouped.*CUDA devices only"):
         sparse_conv3d(x, weight, kernel_size=3, fwd_algo="cutlass_grouped")
+    with pytest.raises(ValueError, match="cutlass_sm90.*CUDA devices only"):
+        sparse_conv3d(x.replace(feats=x.feats.half()), weight.half(), kernel_size=3, fwd_algo="cutlass_sm90")
 
 
 # ------------------------------------------------------------- host-side tables (CPU) ----------
@@ -291,3 +310,57 @@ def test_cli_build_fills_the_cubin_cache_without_a_gpu(monkeypatch, capsys):
     assert "1 of 1 variants ready" in capsys.readouterr().out
     variant = cutlass_gemm.defines(cutlass_gemm.TILES[0], torch.float16)
     assert cuda_jit.cubin_path(cutlass_gemm.SOURCE, variant, "sm_80").is_file()
+
+
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                reason="cutlass_sm90 needs an sm_90 GPU (H100/H200)")
+
+
+@pytest.mark.gpu
+@needs_toolchain
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("channels", [(16, 32), (96, 64), (128, 256), (256, 8), (72, 40)],
+                         ids=lambda c: f"c{c[0]}x{c[1]}")
+@pytest.mark.parametrize("mode", CASES, ids=str)
+def test_cutlass_sm90_matches_explicit_gemm(mode, channels, dtype, poisoned_outputs):
+    c_in, c_out = channels
+    x = make_input(mode, c_in, "cuda", dtype=dtype, n=6000, extent=40)
+    key = KernelMapKey(x.coord_id, mode.kernel_size if isinstance(mode.kernel_size, tuple) else (mode.kernel_size,) * 3,
+                       (mode.stride,) * 3, (1, 1, 1), mode.transposed, mode.generative)
+    kernel_map, _ = x.cache.kernel_map(key)
+    weight = torch.randn(kernel_map.kernel_volume, c_in, c_out, device="cuda", dtype=dtype) / c_in ** 0.5
+    grad_out = torch.randn(kernel_map.num_out, c_out, device="cuda", dtype=dtype)
+    problem = dataclasses.replace(_problem(), num_in=kernel_map.num_in, num_out=kernel_map.num_out,
+                                  in_channels=c_in, out_channels=c_out, kernel_size=kernel_map.kernel_size,
+                                  transposed=mode.transposed, generative=mode.generative, dtype=dtype,
+                                  device=x.device)
+    backend = get("cutlass_sm90")
+    assert backend.supports(problem) is None
+    for namespace, a in (("AB_gather_scatter", x.feats), ("ABt_gather_scatter", grad_out)):
+        out = backend.run(namespace, problem, {}, a, weight, kernel_map)
+        ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert bool(torch.isfinite(out).all()), f"{namespace}: unwritten or non-finite output"
+        assert relative_error(out, ref) < TOLERANCE[dtype], namespace
+
+
+@pytest.mark.gpu
+@needs_toolchain
+@needs_sm90
+def test_every_cutlass_sm90_tile_matches_explicit_gemm():
+    """The autotuner may pick any tile: each one must be right, not only the winner."""
+    mode = CASES[0]
+    x = make_input(mode, 64, "cuda", dtype=torch.bfloat16, n=6000, extent=40)
+    kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))
+    weight = torch.randn(27, 64, 192, device="cuda", dtype=torch.bfloat16) / 8
+    grad_out = torch.randn(kernel_map.num_out, 192, device="cuda", dtype=torch.bfloat16)
+    problem = dataclasses.replace(_problem(), num_in=kernel_map.num_in, num_out=kernel_map.num_out,
+                                  in_channels=64, out_channels=192, dtype=torch.bfloat16)
+    cutlass_sm90.prefetch(torch.bfloat16)
+    for tile in cutlass_sm90.TILES:
+        for forward, a, namespace in ((True, x.feats, "AB_gather_scatter"), (False, grad_out, "ABt_gather_scatter")):
+            ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
+            out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+            cutlass_sm90._rows.__wrapped__(tile, a, weight, out, kernel_map, forward)
+            assert relative_error(out, ref) < 2e-2, f"{tile} {namespace}"

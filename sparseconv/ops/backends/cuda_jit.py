@@ -189,7 +189,8 @@ def _module(path: Path, device_index: int):
         return cupy.RawModule(path=str(path))
 
 
-def load(source: str, defines: Mapping[str, int], device: torch.device):
-    """The CuPy RawModule of a variant on ``device`` (compiled first if needed; blocks until then)."""
-    path = compile_async(source, defines, arch_of(device)).result()
+def load(source: str, defines: Mapping[str, int], device: torch.device, arch: str | None = None):
+    """The CuPy RawModule of a variant on ``device`` (compiled first if needed; blocks until then),
+    built for ``arch`` (default: the device's own, see :func:`arch_of`)."""
+    path = compile_async(source, defines, arch or arch_of(device)).result()
     return _module(path, device.index if device.index is not None else torch.cuda.current_device())

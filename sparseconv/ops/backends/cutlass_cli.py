@@ -12,7 +12,7 @@ import time
 import torch
 
 from ... import config
-from . import cuda_jit, cutlass_gemm
+from . import cuda_jit, cutlass_gemm, cutlass_sm90
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -38,10 +38,13 @@ def run(args: argparse.Namespace) -> int:
     if not arches:
         print("no GPU here: name the architectures, e.g. --arch sm_80 sm_90")
         return 2
-    jobs = [(cutlass_gemm.defines(tile, DTYPES[d]), arch) for arch in arches for d in args.dtypes
-            for tile in cutlass_gemm.TILES]
+    jobs = [(cutlass_gemm.SOURCE, cutlass_gemm.defines(tile, DTYPES[d]), arch) for arch in arches
+            for d in args.dtypes for tile in cutlass_gemm.TILES]
+    if {"sm_90", cutlass_sm90.ARCH} & set(arches):  # an H100/H200 also runs cutlass_sm90's wgmma kernels
+        jobs += [(cutlass_sm90.SOURCE, cutlass_sm90.defines(tile, DTYPES[d]), cutlass_sm90.ARCH)
+                 for d in args.dtypes if DTYPES[d] in cutlass_sm90.ELEMENT for tile in cutlass_sm90.TILES]
     start = time.perf_counter()
-    futures = [cuda_jit.compile_async(cutlass_gemm.SOURCE, defines, arch) for defines, arch in jobs]
+    futures = [cuda_jit.compile_async(source, defines, arch) for source, defines, arch in jobs]
     failed = 0
     for future in futures:
         try:

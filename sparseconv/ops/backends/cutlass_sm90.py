@@ -1,36 +1,169 @@
-"""Hopper (sm_90a) output-stationary products from sparseconv/csrc/rows_sm90.cu (the backend is to come).
+"""``cutlass_sm90`` (forward, dgrad): Hopper wgmma products from sparseconv/csrc/rows_sm90.cu.
 
-``sc90_rows_ab`` / ``sc90_rows_abt`` do what ``cutlass_grouped``'s kernels do (every offset in one
-launch, one write per output row) with per-tile offset lists (``mask_triton.active_lists``)
-instead of a mask, on warp-specialized wgmma: one warpgroup gathers rows with cp.async into a
-ring of SC_STAGES shared-memory stages (and brings each stage's tile of W, packed beforehand by
-``PACK_KERNELS`` into shared-memory order, in one bulk copy), one or two warpgroups (BM = 64 or
-128 rows) multiply them. Compiled with ``cuda_jit`` for the architecture string ``"sm_90a"`` only: wgmma and
-setmaxnreg exist on sm_90a alone, so a cubin of this source never runs on other GPUs.
-Requirements: float16 or bfloat16, channel counts multiples of 8.
+What ``cutlass_grouped`` does (every offset in one launch, output-stationary: each block owns a
+tile of output rows sorted by neighbour mask and writes each once, deterministic), with per-tile
+offset lists (:func:`mask_triton.active_lists`) instead of a mask, on warp-specialized wgmma: one
+warpgroup gathers rows with cp.async into a ring of SC_STAGES shared-memory stages (and brings
+each stage's tile of W, packed beforehand by ``PACK_KERNELS`` into shared-memory order, in one
+bulk copy), one or two warpgroups (BM = 64 or 128 rows) multiply them. Compiled with
+``cuda_jit`` for the architecture string ``"sm_90a"`` only: wgmma and setmaxnreg exist on sm_90a
+alone, so the backend registers for compute capability 9.0 (H100/H200) and says so elsewhere.
+float16 and bfloat16 with fp32 accumulation, channel counts multiples of 8; other problems fall
+back to the other backends. The tile is an inner configuration tuned with ``@autotune``.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ...coords.kernel_map import KernelMap
+from ...tune.decorator import autotune
+from ..problem import ConvProblem
+from . import cuda_jit, cutlass_gemm
+from .mask_triton import active_lists
+from .registry import Backend, register
+
 SOURCE = "rows_sm90.cu"
 ARCH = "sm_90a"
+ELEMENT = {torch.float16: 0, torch.bfloat16: 1}
 KERNELS = ("sc90_rows_ab", "sc90_rows_abt")
 PACK_KERNELS = ("sc90_pack_ab", "sc90_pack_abt")  # W -> the W_packed argument of KERNELS
 LAUNCH_INFO = "sc90_launch_info"  # (2, 2) int32: {threads, dynamic shared bytes} of KERNELS
+BLOCK_K = 64  # channels a stage: one 128-byte swizzle row of 16-bit elements
+PACK_THREADS = 256
 
-# (SC_TB_N, SC_CONSUMERS, SC_STAGES): the deepest ring that stays near 200 KB of the 227 KB of
-# shared memory a block may have (24, 40, 32 and 48 KB a stage), leaving some for L1.
-_TILES = ((128, 1, 8), (256, 1, 5), (128, 2, 6), (256, 2, 4))
+
+@dataclass(frozen=True)
+class Tile:
+    """Output columns per block (the N of one wgmma), wgmma warpgroups (64 output rows each), and
+    shared-memory stages: the deepest ring that stays near 200 KB of the 227 KB a block may have
+    (24, 40, 32 and 48 KB a stage), leaving some for L1."""
+
+    block_n: int
+    consumers: int
+    stages: int
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+
+TILES = (Tile(128, 1, 8), Tile(256, 1, 5), Tile(128, 2, 6), Tile(256, 2, 4))
+
+
+def defines(tile: Tile, dtype: torch.dtype) -> dict[str, int]:
+    """The -D template parameters of one compiled variant."""
+    return {"SC_ELEMENT": ELEMENT[dtype], "SC_TB_N": tile.block_n, "SC_TB_K": BLOCK_K, "SC_STAGES": tile.stages,
+            "SC_CONSUMERS": tile.consumers}
 
 
 def sm90_variants() -> list[dict[str, int]]:
-    """The -D parameters of every variant shipped (CI compile-checks each for sm_90a): half and
-    bfloat16 (SC_ELEMENT 0, 1) x the tiles above, BM = 64 * SC_CONSUMERS, SC_TB_K = 64."""
-    return [{"SC_ELEMENT": element, "SC_TB_N": n, "SC_TB_K": 64, "SC_STAGES": stages, "SC_CONSUMERS": consumers}
-            for element in (0, 1) for n, consumers, stages in _TILES]
+    """Every variant the backend may compile (CI compile-checks each for sm_90a)."""
+    return [defines(tile, dtype) for dtype in ELEMENT for tile in TILES]
 
 
-def packed_numel(variant: dict[str, int], num_offsets: int, reduce: int, cols: int) -> int:
+def packed_numel(variant: Mapping[str, int], num_offsets: int, reduce: int, cols: int) -> int:
     """Elements of W_packed for one variant: every (offset, channel block, column block) tile, padded."""
     n, k = variant["SC_TB_N"], variant["SC_TB_K"]
     return num_offsets * -(-reduce // k) * -(-cols // n) * n * k
+
+
+@functools.cache
+def _kernels(tile: Tile, dtype: torch.dtype, device_index: int) -> dict[str, cutlass_gemm._Kernel]:
+    import cupy
+
+    module = cuda_jit.load(SOURCE, defines(tile, dtype), torch.device("cuda", device_index), ARCH)
+    with cupy.cuda.Device(device_index):
+        info = cupy.ndarray((len(KERNELS), 2), cupy.int32, module.get_global(LAUNCH_INFO)).get()
+        kernels = {}
+        for name, (threads, shared) in zip(KERNELS, info.tolist()):
+            function = module.get_function(name)
+            function.max_dynamic_shared_size_bytes = shared
+            kernels[name] = cutlass_gemm._Kernel(function, threads, shared)
+        for name in PACK_KERNELS:
+            kernels[name] = cutlass_gemm._Kernel(module.get_function(name), PACK_THREADS, 0)
+    return kernels
+
+
+@functools.cache
+def prefetch(dtype: torch.dtype) -> None:
+    """Compile every tile of ``dtype`` in parallel, once per process."""
+    cuda_jit.compile_all(SOURCE, [defines(t, dtype) for t in TILES], ARCH)
+
+
+@autotune(TILES, key=("op", "dtype", "channels", "rows"))
+def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap,
+          forward: bool) -> None:
+    """out (rows, cols), written in full: the forward (ab) or dgrad (abt) product of ``a`` and W."""
+    table, order, sources = kernel_map.derived(("cutlass_rows", forward),
+                                               lambda m: cutlass_gemm._gather_table(m, forward))
+    offsets, counts = active_lists(kernel_map, forward, True, tile.block_m)
+    rows, cols = out.shape
+    reduce, num_offsets = a.shape[1], w.shape[0]
+    variant = defines(tile, a.dtype)
+    kernels = _kernels(tile, a.dtype, out.device.index)
+    # Packed on every call: W changes with every optimizer step, and packing 27 x 256 x 256 is a
+    # few microseconds against the product's hundreds.
+    packed = torch.empty(packed_numel(variant, num_offsets, reduce, cols), dtype=w.dtype, device=w.device)
+    pack = kernels[PACK_KERNELS[0 if forward else 1]]
+    cutlass_gemm._launch(pack, (min(1024, math.ceil(packed.numel() / PACK_THREADS)), 1, 1), out.device,
+                         w, packed, num_offsets, reduce, cols)
+    grid = (counts.numel() * math.ceil(cols / tile.block_n), 1, 1)
+    # The table's "no neighbour" entry is row ``sources`` of ``a``: the kernel writes its zeros
+    # without reading it, so ``a`` needs no appended zero row.
+    cutlass_gemm._launch(kernels[KERNELS[0 if forward else 1]], grid, out.device, a, packed, table, order, offsets,
+                         counts, out, rows, reduce, cols, sources, offsets.shape[1], 0)
+
+
+def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor,
+        kernel_map: KernelMap) -> torch.Tensor:
+    forward = namespace == "AB_gather_scatter"
+    a, w = a.contiguous(), b.contiguous()
+    c_in, c_out = w.shape[1], w.shape[2]
+    rows, reduce, cols = (kernel_map.num_out, c_in, c_out) if forward else (kernel_map.num_in, c_out, c_in)
+    out = cutlass_gemm.new_output((rows, cols), a)
+    if out.numel() == 0 or reduce == 0 or kernel_map.kernel_volume == 0:
+        return out.zero_()
+    prefetch(a.dtype)
+    _rows(a, w, out, kernel_map, forward, op=namespace, dtype=str(a.dtype), channels=f"{c_in}x{c_out}",
+          rows=f"{cutlass_gemm._size_bucket(rows)}k{kernel_map.kernel_volume}")
+    return out
+
+
+def unsupported(problem: ConvProblem) -> str | None:
+    """Why ``cutlass_sm90`` cannot run ``problem`` here, or None."""
+    if problem.device.type != "cuda":
+        return "cutlass_sm90 runs on CUDA devices only"
+    if problem.dtype not in ELEMENT:
+        return (f"cutlass_sm90 takes float16 or bfloat16, not {problem.dtype} (float32 runs on cutlass_grouped "
+                "through tf32 and on the Triton backends)")
+    reason = cutlass_gemm.unsupported(problem)  # channel multiples of 8, nvcc, CUTLASS headers, CuPy
+    if reason is not None:
+        return reason
+    capability = torch.cuda.get_device_capability(problem.device)
+    if capability != (9, 0):
+        return (f"cutlass_sm90 is built for sm_90a (wgmma: H100/H200) only, this GPU is "
+                f"sm_{capability[0]}{capability[1]}")
+    return None
+
+
+def _pool(problem: ConvProblem, level: str) -> list[Mapping]:
+    return [{}] if problem.device.type == "cuda" else []
+
+
+def _heuristic(problem: ConvProblem) -> float:
+    # Untimed pick: on an H200 it led the Triton mask kernel at C = 256 and trailed it at C <= 128
+    # (scripts/check_sm90_rows.py, docs/performance.md).
+    if problem.device.type != "cuda":
+        return -5.0
+    return 2.5 if max(problem.in_channels, problem.out_channels) > 128 else 1.0
+
+
+CUTLASS_SM90 = register(Backend(
+    name="cutlass_sm90", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run,
+    supports=unsupported, pool=_pool, heuristic=_heuristic))
