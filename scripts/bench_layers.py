@@ -43,8 +43,9 @@ SCENES = {"street1": ("street", 0.05, 1, 2.0), "street4": ("street", 0.05, 4, 2.
 FAMILIES = {
     "triton": {"fwd_algo": ["mask_implicit_gemm", "implicit_gemm"], "dgrad_algo": ["mask_implicit_gemm", "implicit_gemm"],
                "wgrad_algo": ["splitk_wgrad"]},
-    "cutlass": {"fwd_algo": ["cutlass_grouped", "cutlass_implicit_gemm"],
-                "dgrad_algo": ["cutlass_grouped", "cutlass_implicit_gemm"], "wgrad_algo": ["cutlass_splitk_wgrad"]},
+    "cutlass": {"fwd_algo": ["cutlass_sm90", "cutlass_grouped", "cutlass_implicit_gemm"],
+                "dgrad_algo": ["cutlass_sm90", "cutlass_grouped", "cutlass_implicit_gemm"],
+                "wgrad_algo": ["cutlass_splitk_wgrad"]},
 }
 LAYERS = {"subm3": (3, 1, False), "down2": (2, 2, False), "up2": (2, 2, True)}
 
