@@ -4,6 +4,7 @@ refusals behave, and on a GPU every backend × product × dtype equals explicit_
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -338,11 +339,12 @@ def test_cutlass_sm90_matches_explicit_gemm(mode, channels, dtype, poisoned_outp
     backend = get("cutlass_sm90")
     assert backend.supports(problem) is None
     for namespace, a in (("AB_gather_scatter", x.feats), ("ABt_gather_scatter", grad_out)):
-        out = backend.run(namespace, problem, {}, a, weight, kernel_map)
         ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
-        assert out.dtype == dtype and out.shape == ref.shape
-        assert bool(torch.isfinite(out).all()), f"{namespace}: unwritten or non-finite output"
-        assert relative_error(out, ref) < TOLERANCE[dtype], namespace
+        for params in backend.params_space:
+            out = backend.run(namespace, problem, params, a, weight, kernel_map)
+            assert out.dtype == dtype and out.shape == ref.shape
+            assert bool(torch.isfinite(out).all()), f"{namespace} {params}: unwritten or non-finite output"
+            assert relative_error(out, ref) < TOLERANCE[dtype], f"{namespace} {params}"
 
 
 @pytest.mark.gpu
@@ -358,9 +360,10 @@ def test_every_cutlass_sm90_tile_matches_explicit_gemm():
     problem = dataclasses.replace(_problem(), num_in=kernel_map.num_in, num_out=kernel_map.num_out,
                                   in_channels=64, out_channels=192, dtype=torch.bfloat16)
     cutlass_sm90.prefetch(torch.bfloat16)
-    for tile in cutlass_sm90.TILES:
+    for tile, splits in itertools.product(cutlass_sm90.TILES, (1, 2)):
+        groups = tuple(mask_triton.offset_groups(27, splits))
         for forward, a, namespace in ((True, x.feats, "AB_gather_scatter"), (False, grad_out, "ABt_gather_scatter")):
             ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
             out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-            cutlass_sm90._rows.__wrapped__(tile, a, weight, out, kernel_map, forward)
-            assert relative_error(out, ref) < 2e-2, f"{tile} {namespace}"
+            cutlass_sm90._rows.__wrapped__(tile, a, weight, out, kernel_map, forward, groups)
+            assert relative_error(out, ref) < 2e-2, f"{tile} splits={splits} {namespace}"
