@@ -214,14 +214,8 @@ def poisoned_outputs(monkeypatch):
                         lambda shape, like: torch.full(shape, float("nan"), dtype=like.dtype, device=like.device))
 
 
-@pytest.mark.gpu
-@needs_toolchain
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("channels", [(16, 32), (96, 64), (128, 256), (256, 8)], ids=lambda c: f"c{c[0]}x{c[1]}")
-@pytest.mark.parametrize("mode", CASES, ids=str)
-def test_cutlass_backends_match_explicit_gemm(mode, channels, dtype, poisoned_outputs, allow_tf32):
-    allow_tf32(True)
-    c_in, c_out = channels
+def _gpu_case(mode, c_in: int, c_out: int, dtype: torch.dtype):
+    """A fresh random layer of ``mode`` on the GPU: (its problem, kernel map, operands by namespace)."""
     x = make_input(mode, c_in, "cuda", dtype=dtype, n=6000, extent=40)
     key = KernelMapKey(x.coord_id, mode.kernel_size if isinstance(mode.kernel_size, tuple) else (mode.kernel_size,) * 3,
                        (mode.stride,) * 3, (1, 1, 1), mode.transposed, mode.generative)
@@ -237,6 +231,17 @@ def test_cutlass_backends_match_explicit_gemm(mode, channels, dtype, poisoned_ou
                                   in_channels=c_in, out_channels=c_out, kernel_size=kernel_map.kernel_size,
                                   transposed=mode.transposed, generative=mode.generative, dtype=dtype,
                                   device=x.device)
+    return problem, kernel_map, operands
+
+
+@pytest.mark.gpu
+@needs_toolchain
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("channels", [(16, 32), (96, 64), (128, 256), (256, 8)], ids=lambda c: f"c{c[0]}x{c[1]}")
+@pytest.mark.parametrize("mode", CASES, ids=str)
+def test_cutlass_backends_match_explicit_gemm(mode, channels, dtype, poisoned_outputs, allow_tf32):
+    allow_tf32(True)
+    problem, kernel_map, operands = _gpu_case(mode, *channels, dtype)
     for name, namespaces in OPS.items():
         backend = get(name)
         assert backend.supports(problem) is None
@@ -325,20 +330,11 @@ needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
                          ids=lambda c: f"c{c[0]}x{c[1]}")
 @pytest.mark.parametrize("mode", CASES, ids=str)
 def test_cutlass_sm90_matches_explicit_gemm(mode, channels, dtype, poisoned_outputs):
-    c_in, c_out = channels
-    x = make_input(mode, c_in, "cuda", dtype=dtype, n=6000, extent=40)
-    key = KernelMapKey(x.coord_id, mode.kernel_size if isinstance(mode.kernel_size, tuple) else (mode.kernel_size,) * 3,
-                       (mode.stride,) * 3, (1, 1, 1), mode.transposed, mode.generative)
-    kernel_map, _ = x.cache.kernel_map(key)
-    weight = torch.randn(kernel_map.kernel_volume, c_in, c_out, device="cuda", dtype=dtype) / c_in ** 0.5
-    grad_out = torch.randn(kernel_map.num_out, c_out, device="cuda", dtype=dtype)
-    problem = dataclasses.replace(_problem(), num_in=kernel_map.num_in, num_out=kernel_map.num_out,
-                                  in_channels=c_in, out_channels=c_out, kernel_size=kernel_map.kernel_size,
-                                  transposed=mode.transposed, generative=mode.generative, dtype=dtype,
-                                  device=x.device)
+    problem, kernel_map, operands = _gpu_case(mode, *channels, dtype)
     backend = get("cutlass_sm90")
     assert backend.supports(problem) is None
-    for namespace, a in (("AB_gather_scatter", x.feats), ("ABt_gather_scatter", grad_out)):
+    for namespace in ("AB_gather_scatter", "ABt_gather_scatter"):
+        a, weight = operands[namespace]
         ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
         for params in backend.params_space:
             out = backend.run(namespace, problem, params, a, weight, kernel_map)
