@@ -114,3 +114,17 @@ def test_each_wider_pool_level_contains_the_narrower(name, channels):
            for level in ("auto", "trimmed", "all")}
     assert ids["auto"] and set(ids["auto"]) <= set(ids["trimmed"]) <= set(ids["all"])
     assert len(set(ids["trimmed"])) == len(ids["trimmed"])
+
+
+def test_rows_sort_by_mask_with_the_rarest_offset_most_significant():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    frequency = torch.tensor([0.9, 0.05, 0.5, 0.3])  # offset 1 is the rarest, then 3, 2, 0
+    table = torch.where(torch.rand(500, 4, generator=g) < frequency, torch.arange(500)[:, None], -1)
+    order = mask_triton.row_order(table, True).long()
+    assert sorted(order.tolist()) == list(range(500))
+    bits = (table[order] >= 0).long()
+    key = bits[:, 1] * 8 + bits[:, 3] * 4 + bits[:, 2] * 2 + bits[:, 0]  # by count: 1, 3, 2, 0
+    assert bool((key[1:] >= key[:-1]).all()), "rows are not in mask order, rarest offset first"
+    ties = key[1:] == key[:-1]
+    assert bool((order[1:][ties] > order[:-1][ties]).all()), "equal masks keep their row order"
+    assert mask_triton.row_order(table, False).tolist() == list(range(500))

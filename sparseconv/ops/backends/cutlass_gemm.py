@@ -336,7 +336,7 @@ def _heuristic(problem: ConvProblem) -> float:
 
 CUTLASS_GROUPED = register(Backend(
     name="cutlass_grouped", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_grouped,
-    supports=unsupported, pool=_pool, heuristic=_heuristic))
+    supports=unsupported, pool=_pool, heuristic=_heuristic, version=2))  # 2: rows sorted rarest offset first
 CUTLASS_IMPLICIT_GEMM = register(Backend(
     name="cutlass_implicit_gemm", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_implicit,
     supports=unsupported, pool=_pool, heuristic=_heuristic))

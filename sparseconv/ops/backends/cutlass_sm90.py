@@ -181,7 +181,7 @@ SPACE = ({"splits": 1}, {"splits": 2}, {"splits": 3})
 
 def _pool(problem: ConvProblem, level: str) -> list[Mapping]:
     """All offsets in one group, and for 27-offset maps also in two: sorted by a 27-bit mask, a
-    tile of a street scene visits offsets that only 59% of its rows have, by a 13-14 bit one 90%
+    tile of a street scene visits offsets that only 58% of its rows have, by a 13-14 bit one 87%
     (mask_triton's pool, from the same H200 sweeps)."""
     if problem.device.type != "cuda":
         return []
