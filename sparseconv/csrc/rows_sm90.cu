@@ -357,22 +357,40 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
       int slot = m0 + get<0>(coords(make_coord(make_coord(0, half, 0), 0, 0)));
       out_row[half] = slot < rows ? (long long)order[slot] * cols : -1;
     }
+    // accumulate: the old values of a chunk of column groups are all loaded before any is stored
+    // (a store may alias the next load for the compiler, so one group at a time would wait a
+    // full memory round trip per group: 32 of them for BN = 256).
+    constexpr int kChunk = 8;
     CUTE_UNROLL
-    for (int group = 0; group < BN / 8; ++group) {
-      int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, group), 0, 0)));
-      if (col >= cols) continue;  // cols % 8 == 0: col + 1 < cols as well
-      CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        if (out_row[half] < 0) continue;
-        float lo = acc(make_coord(make_coord(0, half, group), 0, 0));
-        float hi = acc(make_coord(make_coord(1, half, group), 0, 0));
-        uint32_t *target = reinterpret_cast<uint32_t *>(d + out_row[half] + col);
-        if (accumulate) {
-          uint32_t old = *target;
-          lo += float(Element::bitcast(uint16_t(old & 0xffffu)));
-          hi += float(Element::bitcast(uint16_t(old >> 16)));
+    for (int first = 0; first < BN / 8; first += kChunk) {
+      uint32_t old[kChunk][2];
+      if (accumulate) {
+        CUTE_UNROLL
+        for (int g = 0; g < kChunk; ++g) {
+          int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, first + g), 0, 0)));
+          CUTE_UNROLL
+          for (int half = 0; half < 2; ++half)
+            old[g][half] = col < cols && out_row[half] >= 0
+                               ? *reinterpret_cast<uint32_t const *>(d + out_row[half] + col) : 0u;
         }
-        *target = uint32_t(Element(lo).raw()) | (uint32_t(Element(hi).raw()) << 16);
+      }
+      CUTE_UNROLL
+      for (int g = 0; g < kChunk; ++g) {
+        int const group = first + g;
+        int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, group), 0, 0)));
+        if (col >= cols) continue;  // cols % 8 == 0: col + 1 < cols as well
+        CUTE_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          if (out_row[half] < 0) continue;
+          float lo = acc(make_coord(make_coord(0, half, group), 0, 0));
+          float hi = acc(make_coord(make_coord(1, half, group), 0, 0));
+          if (accumulate) {
+            lo += float(Element::bitcast(uint16_t(old[g][half] & 0xffffu)));
+            hi += float(Element::bitcast(uint16_t(old[g][half] >> 16)));
+          }
+          *reinterpret_cast<uint32_t *>(d + out_row[half] + col) =
+              uint32_t(Element(lo).raw()) | (uint32_t(Element(hi).raw()) << 16);
+        }
       }
     }
   }
