@@ -130,8 +130,8 @@ def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kerne
     # few microseconds against the product's hundreds.
     packed = torch.empty(packed_numel(variant, num_offsets, reduce, cols), dtype=w.dtype, device=w.device)
     pack = kernels[PACK_KERNELS[0 if forward else 1]]
-    cutlass_gemm._launch(pack, (min(1024, math.ceil(packed.numel() / PACK_THREADS)), 1, 1), out.device,
-                         w, packed, num_offsets, reduce, cols)
+    launches = [(pack, (min(1024, math.ceil(packed.numel() / PACK_THREADS)), 1, 1),
+                 (w, packed, num_offsets, reduce, cols))]
     per_offset = packed.numel() // num_offsets
     product = kernels[KERNELS[0 if forward else 1]]
     for step, (lo, hi) in enumerate(groups):
@@ -139,8 +139,9 @@ def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kerne
         grid = (counts.numel() * math.ceil(cols / tile.block_n), 1, 1)
         # "No neighbour" is row ``sources`` of ``a``: the kernel writes its zeros without reading
         # it, so ``a`` needs no appended zero row.
-        cutlass_gemm._launch(product, grid, out.device, a, packed[lo * per_offset:], table, order, offsets, counts,
-                             out, rows, reduce, cols, sources, offsets.shape[1], int(step > 0))
+        launches.append((product, grid, (a, packed[lo * per_offset:], table, order, offsets, counts, out, rows,
+                                         reduce, cols, sources, offsets.shape[1], int(step > 0))))
+    cutlass_gemm._launch_all(out.device, launches)
 
 
 def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor,
