@@ -1,0 +1,90 @@
+"""Host time against GPU time of one forward product per pinned backend, on one benchmark layer.
+
+`bench_layers.py` times a call with CUDA events around it on an idle GPU, so the host work
+before the first launch is in its numbers; in a network the host runs ahead and that work hides
+behind the previous layer's kernels. This prints both, per backend (pinned: its first parameter
+set, not the tuned one), on a submanifold 3^3 layer of a benchmark scene:
+
+- host: the call's own Python/launch time (perf_counter, the GPU kept busy so nothing waits);
+- events, idle GPU: as bench_layers.py measures it;
+- events, host hidden: the GPU time of the call alone (a queued sleep covers the host part).
+
+    python scripts/call_overhead.py --scene street4 --channels 256 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench_layers import SCENES
+
+from sparseconv import SparseTensor
+from sparseconv.coords import KernelMapKey
+from sparseconv.data import make_scene
+from sparseconv.ops.conv import _problem
+from sparseconv.ops.dispatch import dispatch
+
+SLEEP_CYCLES = 20_000_000  # ~10 ms of queued GPU work on an H100/H200
+
+
+def events_ms(fn, hide_host: bool) -> float:
+    if hide_host:
+        torch.cuda._sleep(SLEEP_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def host_ms(fn) -> float:
+    torch.cuda._sleep(SLEEP_CYCLES)
+    begin = time.perf_counter()
+    fn()
+    elapsed = 1e3 * (time.perf_counter() - begin)
+    torch.cuda.synchronize()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scene", default="street4", choices=list(SCENES))
+    parser.add_argument("--channels", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--backends", nargs="+", default=["cutlass_sm90", "mask_implicit_gemm", "cutlass_grouped"])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    kind, voxel, batch, scale = SCENES[args.scene]
+    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
+    c, dtype, device = args.channels, getattr(torch, args.dtype), torch.device("cuda")
+    x = SparseTensor(coords.to(device), torch.randn(len(coords), c, device=device, dtype=dtype))
+    kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))
+    weight = torch.randn(27, c, c, device=device, dtype=dtype) / (27 * c) ** 0.5
+    problem = _problem(kernel_map, c, c, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False, dtype, device)
+    print(f"{torch.cuda.get_device_name()}: {args.scene} {args.dtype} C={c} subm3 forward, {kernel_map.num_pairs} pairs; "
+          f"median of {args.repeats} (ms)")
+    print("backend | host | events, idle GPU | events, host hidden")
+    for name in args.backends:
+        def call(name=name):
+            return dispatch("AB_gather_scatter", problem, name, x.feats, weight, kernel_map)
+
+        try:
+            for _ in range(3):
+                call()
+        except Exception as error:  # noqa: BLE001 - a backend that cannot run here says why
+            print(f"{name} | n/a ({error})"[:300])
+            continue
+        torch.cuda.synchronize()
+        host = statistics.median(host_ms(call) for _ in range(args.repeats))
+        idle = statistics.median(events_ms(call, False) for _ in range(args.repeats))
+        busy = statistics.median(events_ms(call, True) for _ in range(args.repeats))
+        print(f"{name} | {host:.3f} | {idle:.3f} | {busy:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
