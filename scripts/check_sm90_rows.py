@@ -80,7 +80,7 @@ class Prepared:
     row ``sources`` for "none", order (rows,) int32, active (tiles, K) int32, count (tiles,) int32."""
 
     def __init__(self, kernel_map: KernelMap, forward: bool, block_m: int) -> None:
-        self.table, self.order, self.sources = cutlass_gemm._gather_table(kernel_map, forward)
+        self.table, self.order, self.sources = cutlass_gemm.gather_table(kernel_map, forward)
         self.active, self.count = mask_triton.active_lists(kernel_map, forward, True, block_m)
         self.block_m = block_m
         self.rows = self.table.shape[1]
@@ -177,45 +177,25 @@ def dry_run() -> int:
 
 # ------------------------------------------------------------------ GPU ------------------------
 
-class Kernel:
-    def __init__(self, module, name: str, threads: int, shared: int) -> None:
-        self.function = module.get_function(name)
-        self.function.max_dynamic_shared_size_bytes = shared
-        self.threads, self.shared = threads, shared
-
-
-def load(path: Path, device_index: int) -> dict[str, Kernel]:
+def load(path: Path, device_index: int) -> dict:
+    """The kernels of one compiled variant (the library's loader; the path may hold extra -D flags)."""
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(path=str(path))
-        info = cupy.ndarray((2, 2), cupy.int32, module.get_global(cutlass_sm90.LAUNCH_INFO)).get().tolist()
-        kernels = {name: Kernel(module, name, t, s) for name, (t, s) in zip(cutlass_sm90.KERNELS, info)}
-        kernels.update({name: Kernel(module, name, 256, 0) for name in cutlass_sm90.PACK_KERNELS})
-        return kernels
+        return cutlass_sm90.kernels_of(cupy.RawModule(path=str(path)), device_index)
 
 
-def run_kernel(kernels: dict[str, Kernel], forward: bool, variant: dict, prep: Prepared, source: torch.Tensor,
+def run_kernel(kernels: dict, forward: bool, variant: dict, prep: Prepared, source: torch.Tensor,
                w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
     """Pack W for the variant (timed with the product: a layer packs on every call), then multiply."""
-    import cupy
-
     rows, cols = out.shape
-    reduce, num_offsets = source.shape[1], w.shape[0]
-    packed = torch.empty(cutlass_sm90.packed_numel(variant, num_offsets, reduce, cols), device=w.device,
-                         dtype=w.dtype)
+    reduce = source.shape[1]
+    packed, pack = cutlass_sm90.pack_launch(kernels, forward, variant, w, reduce, cols)
     tiles = math.ceil(rows / prep.block_m) * math.ceil(cols / variant["SC_TB_N"])
-    device = out.device
-    pack = kernels[cutlass_sm90.PACK_KERNELS[0 if forward else 1]]
-    product = kernels[cutlass_sm90.KERNELS[0 if forward else 1]]
     args = (source, packed, prep.table, prep.order, prep.active, prep.count, out, rows, reduce, cols,
             prep.sources, prep.active.shape[1], int(accumulate))
-    stream = cutlass_gemm._cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
-    with cupy.cuda.Device(device.index), stream:
-        pack.function((min(1024, math.ceil(packed.numel() / pack.threads)),), (pack.threads,),
-                      tuple(cutlass_gemm._argument(a) for a in (w, packed, num_offsets, reduce, cols)))
-        product.function((tiles,), (product.threads,), tuple(cutlass_gemm._argument(a) for a in args),
-                         shared_mem=product.shared)
+    product = (kernels[cutlass_sm90.KERNELS[0 if forward else 1]], (tiles, 1, 1), args)
+    cutlass_gemm._launch_all(out.device, [pack, product])
 
 
 class Watchdog:
@@ -302,9 +282,9 @@ def gpu(args) -> int:
         note = ""
         if variant["SC_CONSUMERS"] == 2 and regs != 168:
             note = "  <- expected 168 (setmaxnreg 56/224 assumes it)"
-        print(f"  {label}: {k.threads} threads, {k.shared} B shared, {regs} registers{note}")
-        if k.shared > optin:
-            print(f"  skip {label}: needs {k.shared} B of shared memory, the device allows {optin}")
+        print(f"  {label}: {k.threads} threads, {k.shared_bytes} B shared, {regs} registers{note}")
+        if k.shared_bytes > optin:
+            print(f"  skip {label}: needs {k.shared_bytes} B of shared memory, the device allows {optin}")
             del kernels[label]
 
     prepared: dict[tuple[bool, int], Prepared] = {}

@@ -12,9 +12,9 @@
 // sc_rows_ab / sc_rows_abt in sparse_gemm.cu but a per-tile list of offsets instead of a mask:
 //   for every slot s of [0, rows): d[order[s]] (+)= sum over the tile's listed offsets k of
 //   A[table[k * rows + s]] @ B_k,
-// where A is (sources + 1, reduce) row-major whose last row is the "no neighbour" entry of the
-// table (never read: the kernel takes `sources` and writes zeros for it, so its contents do not
-// matter), B_k = W_k (ab: W is (K, reduce, cols)) or W_k^T (abt: W is (K, cols, reduce), dgrad
+// where A is (sources, reduce) row-major and a table entry equal to `sources` means "no
+// neighbour" (sparse_gemm.cu's zero row; never read here: the kernel writes zeros for it, so A
+// needs no such row and whatever follows it is not touched), B_k = W_k (ab: W is (K, reduce, cols)) or W_k^T (abt: W is (K, cols, reduce), dgrad
 // without a transposed copy), passed as W_packed from sc90_pack_ab / sc90_pack_abt of the same
 // translation unit (B_k cut into the kernel's shared-memory tiles, see pack_b), tile t = BM
 // consecutive slots visits active[t * list_len + j] for j < count[t], and the 1-D grid puts the

@@ -163,11 +163,16 @@ def _cpu_map(name: str):
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "dgrad"])
 def test_grouped_gather_table_and_tile_offsets_match_the_neighbour_table(forward):
     kernel_map = _cpu_map("submanifold_k3")
-    table, order, sources = cutlass_gemm._gather_table(kernel_map, forward)
+    table, order, sources = cutlass_gemm.gather_table(kernel_map, forward)
     plain = kernel_map.neighbors if forward else mask_triton.transposed_table(kernel_map)
     expected = plain[order.long()].t()
     assert torch.equal(table, torch.where(expected >= 0, expected, torch.full_like(expected, sources)))
     assert sorted(order.tolist()) == list(range(plain.shape[0]))
+    for lo, hi in mask_triton.offset_groups(kernel_map.kernel_volume, 2):  # cutlass_sm90's offset groups
+        group_table, group_order, _ = cutlass_gemm.gather_table(kernel_map, forward, (lo, hi))
+        expected = plain[group_order.long(), lo:hi].t()
+        assert torch.equal(group_table, torch.where(expected >= 0, expected, torch.full_like(expected, sources)))
+        assert torch.equal(group_order, mask_triton.sorted_rows(kernel_map, forward, True, (lo, hi)))
     block_m = 32
     active = mask_triton.tile_offsets(kernel_map, forward, True, block_m)
     offsets, counts = mask_triton.active_lists(kernel_map, forward, True, block_m)

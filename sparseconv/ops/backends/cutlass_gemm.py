@@ -81,20 +81,26 @@ class _Kernel(NamedTuple):
     shared_bytes: int
 
 
-@functools.cache
-def _kernels(tile: Tile, dtype: torch.dtype, device_index: int) -> dict[str, _Kernel]:
+def kernels_of(module, device_index: int, names: tuple[str, ...], launch_info: str) -> dict[str, _Kernel]:
+    """The kernels ``names`` of a loaded module with their {threads, dynamic shared bytes}, read
+    from the module's (len(names), 2) int32 symbol ``launch_info``; each kernel's dynamic
+    shared-memory limit is raised to its size."""
     import cupy
 
-    device = torch.device("cuda", device_index)
-    module = cuda_jit.load(SOURCE, defines(tile, dtype), device)
     with cupy.cuda.Device(device_index):
-        info = cupy.ndarray((len(KERNELS), 2), cupy.int32, module.get_global("sc_launch_info")).get()
+        info = cupy.ndarray((len(names), 2), cupy.int32, module.get_global(launch_info)).get()
         kernels = {}
-        for name, (threads, shared) in zip(KERNELS, info.tolist()):
+        for name, (threads, shared) in zip(names, info.tolist()):
             function = module.get_function(name)
             function.max_dynamic_shared_size_bytes = shared
             kernels[name] = _Kernel(function, threads, shared)
     return kernels
+
+
+@functools.cache
+def _kernels(tile: Tile, dtype: torch.dtype, device_index: int) -> dict[str, _Kernel]:
+    module = cuda_jit.load(SOURCE, defines(tile, dtype), torch.device("cuda", device_index))
+    return kernels_of(module, device_index, KERNELS, "sc_launch_info")
 
 
 def prefetch(dtype: torch.dtype, device: torch.device) -> None:
@@ -176,23 +182,31 @@ def _size_bucket(n: int) -> int:
 
 # ---------------------------------------------------------------- cutlass_grouped ---------------
 
-def _gather_table(kernel_map: KernelMap, forward: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """((K, rows) int32 source row per sorted slot and offset, (rows,) int32 row of each slot, source rows).
+def gather_table(kernel_map: KernelMap, forward: bool,
+                 group: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """((hi - lo, rows) int32 source row per sorted slot and offset of ``group`` = [lo, hi)
+    (default: all offsets), (rows,) int32 row of each slot, source rows); rows sorted by their
+    mask over the group's offsets. Cached on the map.
 
-    "No neighbour" points at the source's row ``source rows``, an all-zero row appended per call.
+    "No neighbour" points at the source's row ``source rows``: ``cutlass_grouped`` appends an
+    all-zero row per call, ``cutlass_sm90`` never reads it.
     """
-    table = product_table(kernel_map, forward)
-    sources = kernel_map.num_in if forward else kernel_map.num_out
-    order = sorted_rows(kernel_map, forward, True)
-    sorted_table = table[order.long()]
-    sorted_table = torch.where(sorted_table >= 0, sorted_table, torch.full_like(sorted_table, sources))
-    return sorted_table.t().contiguous().to(torch.int32), order, sources
+    lo, hi = group or (0, kernel_map.kernel_volume)
+
+    def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor, int]:
+        sources = m.num_in if forward else m.num_out
+        order = sorted_rows(m, forward, True, group)
+        table = product_table(m, forward)[order.long(), lo:hi]
+        table = torch.where(table >= 0, table, torch.full_like(table, sources))
+        return table.t().contiguous().to(torch.int32), order, sources
+
+    return kernel_map.derived(("cutlass_rows", forward, lo, hi), build)
 
 
 @autotune(TILES, key=("op", "dtype", "channels", "rows"))
 def _grouped(tile: Tile, source: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap,
              forward: bool) -> None:
-    table, order, sources = kernel_map.derived(("cutlass_rows", forward), lambda m: _gather_table(m, forward))
+    table, order, sources = gather_table(kernel_map, forward)
     active = kernel_map.derived(("cutlass_active", forward, tile.block_m),
                                 lambda m: tile_offsets(m, forward, True, tile.block_m).to(torch.uint8))
     rows, cols = out.shape

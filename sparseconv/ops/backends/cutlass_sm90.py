@@ -26,7 +26,7 @@ from ...coords.kernel_map import KernelMap
 from ...tune.decorator import autotune
 from ..problem import ConvProblem
 from . import cuda_jit, cutlass_gemm
-from .mask_triton import active_lists, offset_groups, product_table, sorted_rows
+from .mask_triton import active_lists, offset_groups
 from .registry import Backend, register
 
 SOURCE = "rows_sm90.cu"
@@ -74,21 +74,27 @@ def packed_numel(variant: Mapping[str, int], num_offsets: int, reduce: int, cols
     return num_offsets * -(-reduce // k) * -(-cols // n) * n * k
 
 
+def kernels_of(module, device_index: int) -> dict[str, cutlass_gemm._Kernel]:
+    """KERNELS and PACK_KERNELS of a loaded module of rows_sm90.cu, ready to launch."""
+    kernels = cutlass_gemm.kernels_of(module, device_index, KERNELS, LAUNCH_INFO)
+    kernels.update({name: cutlass_gemm._Kernel(module.get_function(name), PACK_THREADS, 0) for name in PACK_KERNELS})
+    return kernels
+
+
 @functools.cache
 def _kernels(tile: Tile, dtype: torch.dtype, device_index: int) -> dict[str, cutlass_gemm._Kernel]:
-    import cupy
-
     module = cuda_jit.load(SOURCE, defines(tile, dtype), torch.device("cuda", device_index), ARCH)
-    with cupy.cuda.Device(device_index):
-        info = cupy.ndarray((len(KERNELS), 2), cupy.int32, module.get_global(LAUNCH_INFO)).get()
-        kernels = {}
-        for name, (threads, shared) in zip(KERNELS, info.tolist()):
-            function = module.get_function(name)
-            function.max_dynamic_shared_size_bytes = shared
-            kernels[name] = cutlass_gemm._Kernel(function, threads, shared)
-        for name in PACK_KERNELS:
-            kernels[name] = cutlass_gemm._Kernel(module.get_function(name), PACK_THREADS, 0)
-    return kernels
+    return kernels_of(module, device_index)
+
+
+def pack_launch(kernels: Mapping[str, cutlass_gemm._Kernel], forward: bool, variant: Mapping[str, int],
+                w: torch.Tensor, reduce: int, cols: int) -> tuple[torch.Tensor, tuple]:
+    """W_packed for ``variant`` (allocated, not yet written) and the (kernel, grid, args) launch
+    that writes it from W."""
+    num_offsets = w.shape[0]
+    packed = torch.empty(packed_numel(variant, num_offsets, reduce, cols), dtype=w.dtype, device=w.device)
+    grid = (min(1024, math.ceil(packed.numel() / PACK_THREADS)), 1, 1)
+    return packed, (kernels[PACK_KERNELS[0 if forward else 1]], grid, (w, packed, num_offsets, reduce, cols))
 
 
 @functools.cache
@@ -97,23 +103,17 @@ def prefetch(dtype: torch.dtype) -> None:
     cuda_jit.compile_all(SOURCE, [defines(t, dtype) for t in TILES], ARCH)
 
 
-def _group_tables(kernel_map: KernelMap, forward: bool, block_m: int,
-                  group: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's tables for the offsets [lo, hi) of ``group``, rows sorted by their mask over
-    those offsets: (hi - lo, rows) int32 source row per slot and offset (``sources`` = none),
-    (rows,) int32 row of each slot, (tiles, hi - lo) int32 offsets each tile visits counted from
-    lo, (tiles,) int32 how many. Cached on the map."""
-    lo, hi = group
+def _group_lists(kernel_map: KernelMap, forward: bool, block_m: int,
+                 group: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """((tiles, hi - lo) int32 offsets each tile of ``block_m`` visits, counted from lo as the
+    group's table is, (tiles,) int32 how many) for the offsets [lo, hi) of ``group``; cached."""
+    lo = group[0]
 
-    def build(m: KernelMap):
-        order = sorted_rows(m, forward, True, group)
-        sources = m.num_in if forward else m.num_out
-        table = product_table(m, forward)[order.long(), lo:hi]
-        table = torch.where(table >= 0, table, torch.full_like(table, sources)).t().contiguous().to(torch.int32)
+    def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor]:
         offsets, counts = active_lists(m, forward, True, block_m, group)
-        return table, order, (offsets - lo).contiguous(), counts
+        return (offsets - lo).contiguous(), counts
 
-    return kernel_map.derived(("sm90_rows", forward, block_m, lo, hi), build)
+    return kernel_map.derived(("sm90_lists", forward, block_m, *group), build)
 
 
 @autotune(TILES, key=("op", "dtype", "channels", "rows", "splits"))
@@ -122,20 +122,17 @@ def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kerne
     """out (rows, cols), written in full: the forward (ab) or dgrad (abt) product of ``a`` and W,
     one launch per offset group (the first stores, the later ones add; see mask_triton)."""
     rows, cols = out.shape
-    reduce, num_offsets = a.shape[1], w.shape[0]
-    sources = kernel_map.num_in if forward else kernel_map.num_out
-    variant = defines(tile, a.dtype)
+    reduce = a.shape[1]
     kernels = _kernels(tile, a.dtype, out.device.index)
     # Packed on every call: W changes with every optimizer step, and packing 27 x 256 x 256 is a
     # few microseconds against the product's hundreds.
-    packed = torch.empty(packed_numel(variant, num_offsets, reduce, cols), dtype=w.dtype, device=w.device)
-    pack = kernels[PACK_KERNELS[0 if forward else 1]]
-    launches = [(pack, (min(1024, math.ceil(packed.numel() / PACK_THREADS)), 1, 1),
-                 (w, packed, num_offsets, reduce, cols))]
-    per_offset = packed.numel() // num_offsets
+    packed, pack = pack_launch(kernels, forward, defines(tile, a.dtype), w, reduce, cols)
+    launches = [pack]
+    per_offset = packed.numel() // w.shape[0]
     product = kernels[KERNELS[0 if forward else 1]]
     for step, (lo, hi) in enumerate(groups):
-        table, order, offsets, counts = _group_tables(kernel_map, forward, tile.block_m, (lo, hi))
+        table, order, sources = cutlass_gemm.gather_table(kernel_map, forward, (lo, hi))
+        offsets, counts = _group_lists(kernel_map, forward, tile.block_m, (lo, hi))
         grid = (counts.numel() * math.ceil(cols / tile.block_n), 1, 1)
         # "No neighbour" is row ``sources`` of ``a``: the kernel writes its zeros without reading
         # it, so ``a`` needs no appended zero row.
