@@ -75,9 +75,13 @@ def packed_numel(variant: Mapping[str, int], num_offsets: int, reduce: int, cols
 
 
 def kernels_of(module, device_index: int) -> dict[str, cutlass_gemm._Kernel]:
-    """KERNELS and PACK_KERNELS of a loaded module of rows_sm90.cu, ready to launch."""
+    """KERNELS and PACK_KERNELS of a loaded module of rows_sm90.cu, ready to launch on the device."""
+    import cupy
+
     kernels = cutlass_gemm.kernels_of(module, device_index, KERNELS, LAUNCH_INFO)
-    kernels.update({name: cutlass_gemm._Kernel(module.get_function(name), PACK_THREADS, 0) for name in PACK_KERNELS})
+    with cupy.cuda.Device(device_index):  # CuPy loads a module's functions for the current device
+        kernels.update({name: cutlass_gemm._Kernel(module.get_function(name), PACK_THREADS, 0)
+                        for name in PACK_KERNELS})
     return kernels
 
 
