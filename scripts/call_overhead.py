@@ -10,11 +10,14 @@ set, not the tuned one), on a submanifold 3^3 layer of a benchmark scene:
 - events, host hidden: the GPU time of the call alone (a queued sleep covers the host part).
 
     python scripts/call_overhead.py --scene street4 --channels 256 --dtype bfloat16
+    python scripts/call_overhead.py --backends cutlass_sm90 --profile 200   # where the host time goes
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -58,6 +61,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--backends", nargs="+", default=["cutlass_sm90", "mask_implicit_gemm", "cutlass_grouped"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="also profile CALLS host calls per backend (cProfile, GPU kept busy) and print the top functions")
     args = parser.parse_args()
     kind, voxel, batch, scale = SCENES[args.scene]
     coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
@@ -84,6 +89,20 @@ def main() -> None:
         idle = statistics.median(events_ms(call, False) for _ in range(args.repeats))
         busy = statistics.median(events_ms(call, True) for _ in range(args.repeats))
         print(f"{name} | {host:.3f} | {idle:.3f} | {busy:.3f}", flush=True)
+        if args.profile:
+            profile_host(call, args.profile)
+
+
+def profile_host(call, calls: int) -> None:
+    """cProfile ``calls`` calls while queued GPU work keeps launches from waiting; top 25 by own time."""
+    torch.cuda._sleep(SLEEP_CYCLES * 4)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
