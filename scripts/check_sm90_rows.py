@@ -5,7 +5,8 @@ height field, ~8 neighbours each), so warp-lang is not needed; compiles every sh
 (cutlass_sm90.sm90_variants()) for sm_90a in parallel; checks each against a float32 torch
 reference for fp16 / bf16, forward (ab) and dgrad (abt), C = 64, 128, 256 and one uneven
 72 -> 40 case (channel tails, masked columns), and accumulate = 1 once per variant, with the
-outputs poisoned with NaN; then times bf16 forward at C = 128 and 256 next to Triton's rows_gemm
+outputs poisoned with NaN; then times bf16 forward at C = 128 and 256 (persistent, as shipped, and
+with a block per tile) next to Triton's rows_gemm
 (mask_implicit_gemm, one offset group) and cuBLAS on the same useful work.
 
 Needs an H100/H200 (sm_90), torch with CUDA, triton, cupy (cupy-cuda12x or cupy-cuda13x), nvcc
@@ -186,15 +187,17 @@ def load(path: Path, device_index: int) -> dict:
 
 
 def run_kernel(kernels: dict, forward: bool, variant: dict, prep: Prepared, source: torch.Tensor,
-               w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-    """Pack W for the variant (timed with the product: a layer packs on every call), then multiply."""
+               w: torch.Tensor, out: torch.Tensor, accumulate: bool, persistent: bool = True) -> None:
+    """Pack W for the variant (timed with the product: a layer packs on every call), then multiply;
+    persistent = False launches a block per tile instead (the kernel takes any grid)."""
     rows, cols = out.shape
     reduce = source.shape[1]
     packed, pack = cutlass_sm90.pack_launch(kernels, forward, variant, w, reduce, cols)
     tiles = math.ceil(rows / prep.block_m) * math.ceil(cols / variant["SC_TB_N"])
     args = (source, packed, prep.table, prep.order, prep.active, prep.count, out, rows, reduce, cols,
             prep.sources, prep.active.shape[1], int(accumulate))
-    product = (kernels[cutlass_sm90.KERNELS[0 if forward else 1]], (tiles, 1, 1), args)
+    grid = cutlass_sm90.grid(tiles, out.device.index) if persistent else (tiles, 1, 1)
+    product = (kernels[cutlass_sm90.KERNELS[0 if forward else 1]], grid, args)
     cutlass_gemm._launch_all(out.device, [pack, product])
 
 
@@ -357,8 +360,10 @@ def gpu(args) -> int:
                 continue
             block_m = 64 * variant["SC_CONSUMERS"]
             prep = prepared[(True, block_m)] if (True, block_m) in prepared else Prepared(kernel_map, True, block_m)
-            fn = (lambda v=variant, k=ks, p=prep, s=source, w=w, o=rows_out: run_kernel(k, True, v, p, s, w, o, False))
-            entries.append((f"sc90 {label}", fn))
+            for persistent in (True, False):
+                fn = (lambda v=variant, k=ks, p=prep, s=source, w=w, o=rows_out, q=persistent:
+                      run_kernel(k, True, v, p, s, w, o, False, q))
+                entries.append((f"sc90 {label}{'' if persistent else ' block a tile'}", fn))
         for m, n, k, warps, stages in TRITON_TILES:
             params = {"block_m": m, "block_n": n, "block_k": k, "num_warps": warps, "num_stages": stages,
                       "sort": True, "splits": 1}

@@ -17,14 +17,16 @@
 // needs no such row and whatever follows it is not touched), B_k = W_k (ab: W is (K, reduce, cols)) or W_k^T (abt: W is (K, cols, reduce), dgrad
 // without a transposed copy), passed as W_packed from sc90_pack_ab / sc90_pack_abt of the same
 // translation unit (B_k cut into the kernel's shared-memory tiles, see pack_b), tile t = BM
-// consecutive slots visits active[t * list_len + j] for j < count[t], and the 1-D grid puts the
-// column tiles of one row tile next to each other (blockIdx.x = pid_m * tiles_n + pid_n) so that
-// they meet the same gathered rows in L2. accumulate = 1 adds to d (read, add in fp32, write)
-// instead of storing: a later group of offsets. Slots and columns past the problem are masked.
+// consecutive slots visits active[t * list_len + j] for j < count[t], and tile i of the
+// ceil(rows / BM) * ceil(cols / BN) output tiles is row tile i / tiles_n, column tile i % tiles_n,
+// so the column tiles of one row tile are next to each other and meet the same gathered rows in
+// L2. accumulate = 1 adds to d (read, add in fp32, write) instead of storing: a later group of
+// offsets. Slots and columns past the problem are masked.
 // Requirements: reduce % 8 == 0 and cols % 8 == 0 (every copy of A is 16 bytes and never
 // straddles the end of a row; the packed W is zero-padded to whole tiles).
-// Launch: 128 * (1 + SC_CONSUMERS) threads, sc90_launch_info[kernel] = {threads, dynamic shared
-// bytes} for (ab, abt); the host must raise the kernel's dynamic shared-memory limit to it.
+// Launch: persistent, any 1-D grid (block b takes tiles b, b + gridDim.x, ...; one block an SM
+// is the intent), 128 * (1 + SC_CONSUMERS) threads, sc90_launch_info[kernel] = {threads, dynamic
+// shared bytes} for (ab, abt); the host must raise the kernel's dynamic shared-memory limit to it.
 //
 // Why this shape: the gather is the slow part (every A row is a different, random 128-byte line)
 // and sm_90's tensor copies (TMA) take boxes, not lists of rows, so one warpgroup does nothing
@@ -36,7 +38,9 @@
 // load: they wait for a stage, multiply it from shared memory (SS operands, fp32 in registers),
 // keep one wgmma batch in flight and hand the previous stage back through its "empty" mbarrier.
 // One loop runs over (listed offset, channel block) pairs, so the pipeline never drains between
-// offsets. The gathering warps keep 56 registers and give the rest to the wgmma warps
+// offsets, and the ring runs on from tile to tile, so it does not drain between tiles either: the
+// gathering warps fill the next tile's stages while the wgmma warps store this one (for
+// accumulate they first prefetch the tile's old output rows into L2). The gathering warps keep 56 registers and give the rest to the wgmma warps
 // (setmaxnreg), whose 64 x 256 fp32 accumulators take 128 registers a thread.
 
 #include <cute/tensor.hpp>
@@ -183,12 +187,11 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
   Tensor sA = make_tensor(make_smem_ptr(shared.a.data()), typename Ops::LayoutA{});  // (BM, BK, stage)
   Tensor sB = make_tensor(make_smem_ptr(shared.b.data()), typename Ops::LayoutB{});  // (BN, BK, stage)
 
+  // Persistent: block b takes tiles b, b + gridDim.x, ... (any grid works; one block an SM keeps
+  // the ring running across tiles, so the next tile's gathers go out during this one's epilogue).
   int const tiles_n = (cols + BN - 1) / BN;
-  int const pid_m = blockIdx.x / tiles_n, pid_n = blockIdx.x % tiles_n;
-  int const m0 = pid_m * BM, n0 = pid_n * BN;
-  int const listed = count[pid_m];
+  int const tiles = (rows + BM - 1) / BM * tiles_n;
   int const k_blocks = (reduce + BK - 1) / BK;
-  int const steps = listed * k_blocks;
   int const warpgroup = threadIdx.x / kWarpgroup;
 
   if (threadIdx.x == 0) {
@@ -228,11 +231,27 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
     constexpr uint32_t kTileBytesB = BN * BK * sizeof(Element);
     static_assert(kStageB == int(kTileBytesB), "a stage of B is one contiguous tile");
     bool const copies_b = thread == 0;
-    Element const *const b_tiles = w + (long long)pid_n * BN * BK;  // tile (k, kb, pid_n) of W_packed
-    long long const b_tile_step = (long long)tiles_n * BN * BK;      // to (k, kb + 1, pid_n)
-
-    int const *const offsets = active + (long long)pid_m * list_len;
-    if (steps > 0) {
+    long long const b_tile_step = (long long)tiles_n * BN * BK;  // tile (k, kb, nb) to (k, kb + 1, nb)
+    Ring ring;
+#if SC_PRODUCER_FENCE
+    int pending = -1;  // the stage whose copies were issued but not yet announced
+#endif
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      int const pid_m = tile / tiles_n, pid_n = tile % tiles_n;
+      int const m0 = pid_m * BM;
+      int const listed = count[pid_m];
+      if (listed == 0) continue;
+      Element const *const b_tiles = w + (long long)pid_n * BN * BK;  // tile (k, kb, pid_n) of W_packed
+      int const *const offsets = active + (long long)pid_m * list_len;
+      if (accumulate && thread < BM) {
+        // The epilogue will read this tile's output rows: bring them into L2 while it multiplies.
+        int const slot = m0 + thread;
+        if (slot < rows) {
+          Element const *row = d + (long long)order[slot] * cols + pid_n * BN;
+          int const bytes = min(BN, cols - pid_n * BN) * int(sizeof(Element));
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(row), "r"(bytes) : "memory");
+        }
+      }
       // Source rows of the current and of the next listed offset: the next offset's table entries
       // load while this one's copies go out, and the offset after that is read one offset earlier.
       int source[kRowsA], upcoming[kRowsA];
@@ -243,10 +262,6 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
         int slot = m0 + a_row + kRowsPerPassA * i;
         source[i] = slot < rows ? table[(long long)k * rows + slot] : -1;
       }
-      Ring ring;
-#if SC_PRODUCER_FENCE
-      int pending = -1;  // the stage whose copies were issued but not yet announced
-#endif
       for (int j = 0; j < listed; ++j) {
         int k_after = 0;
         if (j + 1 < listed) {
@@ -294,13 +309,15 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
         k = k_next;
         k_next = k_after;
       }
-      // Leave no copy in flight behind an exiting thread.
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
+    }
+    // Leave no copy in flight behind an exiting thread.
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
 #if SC_PRODUCER_FENCE
+    if (pending >= 0) {
       cutlass::arch::fence_view_async_shared();
       Barrier::arrive(&shared.full[pending]);
-#endif
     }
+#endif
   } else {
     // ------------------------------------------------------------ consumers: wgmma + epilogue
     if constexpr (kConsumers > 1) cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -312,35 +329,7 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
     Tensor tCrA = thread_mma.make_fragment_A(tCsA);  // wgmma descriptors
     Tensor tCrB = thread_mma.make_fragment_B(tCsB);
     Tensor acc = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});  // ((2, 2, BN / 8), 1, 1) fp32
-    clear(acc);
     mma.accumulate_ = GMMA::ScaleOut::One;
-
-    Ring ring, release;
-    for (int t = 0; t < steps; ++t) {
-      Barrier::wait(&shared.full[ring.stage], ring.phase);
-#if !SC_PRODUCER_FENCE
-      // cp.async writes through the generic proxy and wgmma reads through the async proxy, and a
-      // gathering thread cannot fence copies that land after it has moved on: order the stage's
-      // writes, acquired through the barrier, before this thread's wgmmas here instead.
-      cutlass::arch::fence_view_async_shared();
-#endif
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      gemm(mma, tCrA(_, _, _, ring.stage), tCrB(_, _, _, ring.stage), acc);
-      warpgroup_commit_batch();
-      // At most this batch in flight: the previous one has read its stage, hand that stage back.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc);
-      if (t > 0) {
-        Barrier::arrive(&shared.empty[release.stage]);
-        release.advance();
-      }
-      ring.advance();
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-
-    if (accumulate && steps == 0) return;  // nothing to add
     // Each thread holds pairs of adjacent columns of two rows 8 apart (value modes (2, 2, BN / 8)
     // of the wgmma accumulator: +1 column, +8 rows, +8 columns); the checks below pin that.
     using CLayout = typename Ops::Mma::Atom::LayoutC_TV;  // (thread, value) -> m + 64 n
@@ -351,45 +340,82 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
                       decltype(size<2>(acc))::value == 1,
                   "one wgmma tile per warpgroup");
     Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
-    long long out_row[2];
-    CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      int slot = m0 + get<0>(coords(make_coord(make_coord(0, half, 0), 0, 0)));
-      out_row[half] = slot < rows ? (long long)order[slot] * cols : -1;
-    }
-    // accumulate: the old values of a chunk of column groups are all loaded before any is stored
-    // (a store may alias the next load for the compiler, so one group at a time would wait a
-    // full memory round trip per group: 32 of them for BN = 256).
-    constexpr int kChunk = 8;
-    CUTE_UNROLL
-    for (int first = 0; first < BN / 8; first += kChunk) {
-      uint32_t old[kChunk][2];
-      if (accumulate) {
+
+    Ring ring, release;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      int const pid_m = tile / tiles_n, pid_n = tile % tiles_n;
+      int const m0 = pid_m * BM, n0 = pid_n * BN;
+      int const steps = count[pid_m] * k_blocks;
+      if (accumulate && steps == 0) continue;  // nothing to add
+      clear(acc);
+      for (int t = 0; t < steps; ++t) {
+        Barrier::wait(&shared.full[ring.stage], ring.phase);
+#if !SC_PRODUCER_FENCE
+        // cp.async writes through the generic proxy and wgmma reads through the async proxy, and
+        // a gathering thread cannot fence copies that land after it has moved on: order the
+        // stage's writes, acquired through the barrier, before this thread's wgmmas here instead.
+        cutlass::arch::fence_view_async_shared();
+#endif
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
+        gemm(mma, tCrA(_, _, _, ring.stage), tCrB(_, _, _, ring.stage), acc);
+        warpgroup_commit_batch();
+        // At most this batch in flight: the previous one has read its stage, hand that stage back.
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc);
+        if (t > 0) {
+          Barrier::arrive(&shared.empty[release.stage]);
+          release.advance();
+        }
+        ring.advance();
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      if (steps > 0) {  // the tile's last stage: the producer may refill it during the epilogue
+        Barrier::arrive(&shared.empty[release.stage]);
+        release.advance();
+      }
+
+      long long out_row[2];
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        int slot = m0 + get<0>(coords(make_coord(make_coord(0, half, 0), 0, 0)));
+        out_row[half] = slot < rows ? (long long)order[slot] * cols : -1;
+      }
+      // accumulate: the old values of a chunk of column groups are all loaded before any is
+      // stored (a store may alias the next load for the compiler, so one group at a time would
+      // wait a full memory round trip per group: 32 of them for BN = 256).
+      constexpr int kChunk = 8;
+      CUTE_UNROLL
+      for (int first = 0; first < BN / 8; first += kChunk) {
+        uint32_t old[kChunk][2];
+        if (accumulate) {
+          CUTE_UNROLL
+          for (int g = 0; g < kChunk; ++g) {
+            int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, first + g), 0, 0)));
+            CUTE_UNROLL
+            for (int half = 0; half < 2; ++half)
+              old[g][half] = col < cols && out_row[half] >= 0
+                                 ? *reinterpret_cast<uint32_t const *>(d + out_row[half] + col) : 0u;
+          }
+        }
         CUTE_UNROLL
         for (int g = 0; g < kChunk; ++g) {
-          int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, first + g), 0, 0)));
+          int const group = first + g;
+          int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, group), 0, 0)));
+          if (col >= cols) continue;  // cols % 8 == 0: col + 1 < cols as well
           CUTE_UNROLL
-          for (int half = 0; half < 2; ++half)
-            old[g][half] = col < cols && out_row[half] >= 0
-                               ? *reinterpret_cast<uint32_t const *>(d + out_row[half] + col) : 0u;
-        }
-      }
-      CUTE_UNROLL
-      for (int g = 0; g < kChunk; ++g) {
-        int const group = first + g;
-        int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, group), 0, 0)));
-        if (col >= cols) continue;  // cols % 8 == 0: col + 1 < cols as well
-        CUTE_UNROLL
-        for (int half = 0; half < 2; ++half) {
-          if (out_row[half] < 0) continue;
-          float lo = acc(make_coord(make_coord(0, half, group), 0, 0));
-          float hi = acc(make_coord(make_coord(1, half, group), 0, 0));
-          if (accumulate) {
-            lo += float(Element::bitcast(uint16_t(old[g][half] & 0xffffu)));
-            hi += float(Element::bitcast(uint16_t(old[g][half] >> 16)));
+          for (int half = 0; half < 2; ++half) {
+            if (out_row[half] < 0) continue;
+            float lo = acc(make_coord(make_coord(0, half, group), 0, 0));
+            float hi = acc(make_coord(make_coord(1, half, group), 0, 0));
+            if (accumulate) {
+              lo += float(Element::bitcast(uint16_t(old[g][half] & 0xffffu)));
+              hi += float(Element::bitcast(uint16_t(old[g][half] >> 16)));
+            }
+            *reinterpret_cast<uint32_t *>(d + out_row[half] + col) =
+                uint32_t(Element(lo).raw()) | (uint32_t(Element(hi).raw()) << 16);
           }
-          *reinterpret_cast<uint32_t *>(d + out_row[half] + col) =
-              uint32_t(Element(lo).raw()) | (uint32_t(Element(hi).raw()) << 16);
         }
       }
     }

@@ -351,8 +351,12 @@ def test_cutlass_sm90_matches_explicit_gemm(mode, channels, dtype, poisoned_outp
 @pytest.mark.gpu
 @needs_toolchain
 @needs_sm90
-def test_every_cutlass_sm90_tile_matches_explicit_gemm():
-    """The autotuner may pick any tile: each one must be right, not only the winner."""
+@pytest.mark.parametrize("blocks", [None, 1, 5], ids=lambda b: f"blocks{b or 'SMs'}")
+def test_every_cutlass_sm90_tile_matches_explicit_gemm(blocks, monkeypatch):
+    """The autotuner may pick any tile: each one must be right, not only the winner; and the
+    persistent blocks must be right however many tiles each takes (1 block: all, in one ring)."""
+    if blocks is not None:
+        monkeypatch.setattr(cutlass_sm90, "_multiprocessors", lambda device_index: blocks)
     mode = CASES[0]
     x = make_input(mode, 64, "cuda", dtype=torch.bfloat16, n=6000, extent=40)
     kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))

@@ -102,6 +102,17 @@ def pack_launch(kernels: Mapping[str, cutlass_gemm._Kernel], forward: bool, vari
 
 
 @functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def grid(tiles: int, device_index: int) -> tuple[int, int, int]:
+    """The kernels are persistent: one block an SM (their shared memory allows no second), each
+    taking every gridDim-th of the ``tiles`` output tiles."""
+    return (max(1, min(tiles, _multiprocessors(device_index))), 1, 1)
+
+
+@functools.cache
 def prefetch(dtype: torch.dtype) -> None:
     """Compile every tile of ``dtype`` in parallel, once per process."""
     cuda_jit.compile_all(SOURCE, [defines(t, dtype) for t in TILES], ARCH)
@@ -137,10 +148,9 @@ def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kerne
     for step, (lo, hi) in enumerate(groups):
         table, order, sources = cutlass_gemm.gather_table(kernel_map, forward, (lo, hi))
         offsets, counts = _group_lists(kernel_map, forward, tile.block_m, (lo, hi))
-        grid = (counts.numel() * math.ceil(cols / tile.block_n), 1, 1)
         # "No neighbour" is row ``sources`` of ``a``: the kernel writes its zeros without reading
         # it, so ``a`` needs no appended zero row.
-        launches.append((product, grid, (a, packed[lo * per_offset:], table, order, offsets, counts, out, rows,
+        launches.append((product, grid(counts.numel() * math.ceil(cols / tile.block_n), out.device.index), (a, packed[lo * per_offset:], table, order, offsets, counts, out, rows,
                                          reduce, cols, sources, offsets.shape[1], int(step > 0))))
     cutlass_gemm._launch_all(out.device, launches)
 
@@ -202,4 +212,4 @@ def _heuristic(problem: ConvProblem) -> float:
 
 CUTLASS_SM90 = register(Backend(
     name="cutlass_sm90", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run, params_space=SPACE,
-    supports=unsupported, pool=_pool, heuristic=_heuristic))
+    supports=unsupported, pool=_pool, heuristic=_heuristic, version=2))  # 2: persistent blocks
