@@ -24,9 +24,11 @@
 // offsets. Slots and columns past the problem are masked.
 // Requirements: reduce % 8 == 0 and cols % 8 == 0 (every copy of A is 16 bytes and never
 // straddles the end of a row; the packed W is zero-padded to whole tiles).
-// Launch: persistent, any 1-D grid (block b takes tiles b, b + gridDim.x, ...; one block an SM
-// is the intent), 128 * (1 + SC_CONSUMERS) threads, sc90_launch_info[kernel] = {threads, dynamic
-// shared bytes} for (ab, abt); the host must raise the kernel's dynamic shared-memory limit to it.
+// Launch: persistent, any 1-D grid (one block an SM is the intent): block b takes tile b, then
+// the next one nobody has taken, counted by the int *next, which must be 0 when the launch starts
+// (sc90_pack_* zeroes the counters of the launches that follow it); 128 * (1 + SC_CONSUMERS)
+// threads, sc90_launch_info[kernel] = {threads, dynamic shared bytes} for (ab, abt); the host must
+// raise the kernel's dynamic shared-memory limit to it.
 //
 // Why this shape: the gather is the slow part (every A row is a different, random 128-byte line)
 // and sm_90's tensor copies (TMA) take boxes, not lists of rows, so one warpgroup does nothing
@@ -40,8 +42,9 @@
 // One loop runs over (listed offset, channel block) pairs, so the pipeline never drains between
 // offsets, and the ring runs on from tile to tile, so it does not drain between tiles either: the
 // gathering warps fill the next tile's stages while the wgmma warps store this one (for
-// accumulate they first prefetch the tile's old output rows into L2). The gathering warps keep 56 registers and give the rest to the wgmma warps
-// (setmaxnreg), whose 64 x 256 fp32 accumulators take 128 registers a thread.
+// accumulate they first prefetch the tile's old output rows into L2). The gathering warps keep
+// 72 registers and give the rest to the wgmma warps (setmaxnreg), whose 64 x 256 fp32
+// accumulators take 128 registers a thread.
 
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -92,14 +95,16 @@ constexpr int BM = 64 * kConsumers, BN = SC_TB_N, BK = SC_TB_K;
 constexpr int kWarpgroup = 128;
 constexpr int kThreads = kWarpgroup * (1 + kConsumers);
 constexpr int kVector = 8;  // 16-bit elements per 16-byte copy
+constexpr int kTileSlots = 2;  // tile numbers handed from the scheduling thread to the block
 // Registers per thread after setmaxnreg, for two wgmma warpgroups: a block of 384 threads starts
 // with 168 each (64K / 384, rounded down to 8) and 128 * producer + 256 * consumer may not exceed
-// 384 * 168. 56 for the gathering warps leaves 224 for the wgmma warps; with 40 (and 232) ptxas
-// spilled the gathering loop's addresses. One wgmma warpgroup (256 threads) starts with enough
-// registers for both roles and reconfigures nothing.
-constexpr int kProducerRegisters = 56;
+// 384 * 168. 72 for the gathering warps leaves 216 for the wgmma warps; with 56 (the tile loop of
+// the persistent blocks) ptxas spilled 144 bytes of the gathering loop, with 64 still 44, with 72
+// 8. One wgmma warpgroup (256 threads) starts with enough registers for both roles and
+// reconfigures nothing.
+constexpr int kProducerRegisters = 72;
 constexpr int kConsumerRegisters = (kThreads * 168 - kWarpgroup * kProducerRegisters) / (kWarpgroup * kConsumers) / 8 * 8;
-static_assert(kConsumers == 1 || kConsumerRegisters == 224, "two wgmma warpgroups: 56 + 2 x 224 registers");
+static_assert(kConsumers == 1 || kConsumerRegisters == 216, "two wgmma warpgroups: 72 + 2 x 216 registers");
 
 // A is K-major (channels contiguous) in both products; B is N-major for ab (a row of W_k holds
 // the output columns) and K-major for abt (a row of W_k holds the reduced channels).
@@ -127,6 +132,9 @@ struct Operands {
     array_aligned<Element, cosize_v<LayoutB>, 1024> b;
     uint64_t full[kStages];   // producer -> consumers: the stage's copies have landed
     uint64_t empty[kStages];  // consumers -> producer: the stage's wgmmas have read it
+    uint64_t tile_full[kTileSlots];   // the block's next tile is in tile_id[slot]
+    uint64_t tile_empty[kTileSlots];  // every thread has read tile_id[slot]
+    int tile_id[kTileSlots];
   };
 
   // + 1024: the dynamic shared window is aligned up to 1024 bytes at run time.
@@ -164,19 +172,37 @@ constexpr bool moves_evenly(int d_mn, int d_k, int bytes) {
 struct Ring {
   int stage = 0;
   uint32_t phase = 0;
-  __device__ void advance() {
-    if (++stage == kStages) {
+  __device__ void advance(int stages = kStages) {
+    if (++stage == stages) {
       stage = 0;
       phase ^= 1;
     }
   }
 };
 
+// The block's next tile, the same for every thread: one thread takes it from the launch's counter
+// (tiles go to whichever block is free, as a block-per-tile launch would have it, since tiles
+// differ several times in cost) and hands it over through a two-slot mailbox in shared memory.
+template <class Shared>
+__device__ int next_tile(Shared &shared, Ring &slot, bool takes, int *counter) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  if (takes) {
+    Barrier::wait(&shared.tile_empty[slot.stage], slot.phase ^ 1);
+    shared.tile_id[slot.stage] = atomicAdd(counter, 1) + int(gridDim.x);
+    Barrier::arrive(&shared.tile_full[slot.stage]);
+  }
+  Barrier::wait(&shared.tile_full[slot.stage], slot.phase);
+  int const tile = shared.tile_id[slot.stage];
+  Barrier::arrive(&shared.tile_empty[slot.stage]);
+  slot.advance(kTileSlots);
+  return tile;
+}
+
 template <bool Transposed>
 __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restrict__ w, int const *__restrict__ table,
                           int const *__restrict__ order, int const *__restrict__ active, int const *__restrict__ count,
                           Element *__restrict__ d, int rows, int zero_row, int reduce, int cols, int list_len,
-                          int accumulate) {
+                          int accumulate, int *__restrict__ next) {
   using Ops = Operands<Transposed>;
   using Barrier = cutlass::arch::ClusterBarrier;
   extern __shared__ unsigned char smem_raw[];
@@ -187,8 +213,9 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
   Tensor sA = make_tensor(make_smem_ptr(shared.a.data()), typename Ops::LayoutA{});  // (BM, BK, stage)
   Tensor sB = make_tensor(make_smem_ptr(shared.b.data()), typename Ops::LayoutB{});  // (BN, BK, stage)
 
-  // Persistent: block b takes tiles b, b + gridDim.x, ... (any grid works; one block an SM keeps
-  // the ring running across tiles, so the next tile's gathers go out during this one's epilogue).
+  // Persistent: block b takes tile b, then whatever next_tile hands it (any grid works; one block
+  // an SM keeps the ring running across tiles, so the next tile's gathers go out during this
+  // one's epilogue).
   int const tiles_n = (cols + BN - 1) / BN;
   int const tiles = (rows + BM - 1) / BM * tiles_n;
   int const k_blocks = (reduce + BK - 1) / BK;
@@ -198,6 +225,10 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&shared.full[s], kWarpgroup);                 // one cp.async arrival per gathering thread
       Barrier::init(&shared.empty[s], kWarpgroup * kConsumers);  // one arrival per wgmma thread
+    }
+    for (int s = 0; s < kTileSlots; ++s) {
+      Barrier::init(&shared.tile_full[s], 1);
+      Barrier::init(&shared.tile_empty[s], kThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -232,11 +263,11 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
     static_assert(kStageB == int(kTileBytesB), "a stage of B is one contiguous tile");
     bool const copies_b = thread == 0;
     long long const b_tile_step = (long long)tiles_n * BN * BK;  // tile (k, kb, nb) to (k, kb + 1, nb)
-    Ring ring;
+    Ring ring, slot;
 #if SC_PRODUCER_FENCE
     int pending = -1;  // the stage whose copies were issued but not yet announced
 #endif
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = blockIdx.x; tile < tiles; tile = next_tile(shared, slot, thread == 0, next)) {
       int const pid_m = tile / tiles_n, pid_n = tile % tiles_n;
       int const m0 = pid_m * BM;
       int const listed = count[pid_m];
@@ -341,8 +372,8 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
                   "one wgmma tile per warpgroup");
     Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
 
-    Ring ring, release;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    Ring ring, release, slot;
+    for (int tile = blockIdx.x; tile < tiles; tile = next_tile(shared, slot, false, next)) {
       int const pid_m = tile / tiles_n, pid_n = tile % tiles_n;
       int const m0 = pid_m * BM, n0 = pid_n * BN;
       int const steps = count[pid_m] * k_blocks;
@@ -449,24 +480,32 @@ __device__ void pack_b(Element const *__restrict__ w, Element *__restrict__ pack
 extern "C" __global__ void __launch_bounds__(sc90::kThreads, 1)
 sc90_rows_ab(Element const *a, Element const *w_packed, int const *table, int const *order, int const *active,
              int const *count, Element *d, int rows, int reduce, int cols, int sources, int list_len,
-             int accumulate) {
-  sc90::rows_gemm<false>(a, w_packed, table, order, active, count, d, rows, sources, reduce, cols, list_len, accumulate);
+             int accumulate, int *next) {
+  sc90::rows_gemm<false>(a, w_packed, table, order, active, count, d, rows, sources, reduce, cols, list_len, accumulate,
+                         next);
 }
 
 extern "C" __global__ void __launch_bounds__(sc90::kThreads, 1)
 sc90_rows_abt(Element const *a, Element const *w_packed, int const *table, int const *order, int const *active,
               int const *count, Element *d, int rows, int reduce, int cols, int sources, int list_len,
-              int accumulate) {
-  sc90::rows_gemm<true>(a, w_packed, table, order, active, count, d, rows, sources, reduce, cols, list_len, accumulate);
+              int accumulate, int *next) {
+  sc90::rows_gemm<true>(a, w_packed, table, order, active, count, d, rows, sources, reduce, cols, list_len, accumulate,
+                          next);
 }
 
 // W (K, reduce, cols) for ab or (K, cols, reduce) for abt -> W_packed, num_offsets * ceil(reduce / BK)
-// * ceil(cols / BN) * BN * BK elements; any 1-D launch (a grid-stride loop).
-extern "C" __global__ void sc90_pack_ab(Element const *w, Element *packed, int num_offsets, int reduce, int cols) {
+// * ceil(cols / BN) * BN * BK elements; any 1-D launch (a grid-stride loop) of at least num_counters
+// threads a block. Also zeroes counters[0, num_counters): the tile counters (`next`) of the
+// products that follow it on the stream.
+extern "C" __global__ void sc90_pack_ab(Element const *w, Element *packed, int num_offsets, int reduce, int cols,
+                                        int *counters, int num_counters) {
+  if (blockIdx.x == 0 && int(threadIdx.x) < num_counters) counters[threadIdx.x] = 0;
   sc90::pack_b<false>(w, packed, num_offsets, reduce, cols);
 }
 
-extern "C" __global__ void sc90_pack_abt(Element const *w, Element *packed, int num_offsets, int reduce, int cols) {
+extern "C" __global__ void sc90_pack_abt(Element const *w, Element *packed, int num_offsets, int reduce, int cols,
+                                        int *counters, int num_counters) {
+  if (blockIdx.x == 0 && int(threadIdx.x) < num_counters) counters[threadIdx.x] = 0;
   sc90::pack_b<true>(w, packed, num_offsets, reduce, cols);
 }
 

@@ -5,7 +5,9 @@ tile of output rows sorted by neighbour mask and writes each once, deterministic
 offset lists (:func:`mask_triton.active_lists`) instead of a mask, on warp-specialized wgmma: one
 warpgroup gathers rows with cp.async into a ring of SC_STAGES shared-memory stages (and brings
 each stage's tile of W, packed beforehand by ``PACK_KERNELS`` into shared-memory order, in one
-bulk copy), one or two warpgroups (BM = 64 or 128 rows) multiply them. Compiled with
+bulk copy), one or two warpgroups (BM = 64 or 128 rows) multiply them. Blocks are persistent, one an SM, and take the
+next untaken tile from a per-launch counter (zeroed by the pack kernel) when they finish one, so
+the next tile's gathers overlap this one's epilogue and tiles of uneven cost balance. Compiled with
 ``cuda_jit`` for the architecture string ``"sm_90a"`` only: wgmma and setmaxnreg exist on sm_90a
 alone, so the backend registers for compute capability 9.0 (H100/H200) and says so elsewhere.
 float16 and bfloat16 with fp32 accumulation, channel counts multiples of 8; other problems fall
@@ -92,13 +94,16 @@ def _kernels(tile: Tile, dtype: torch.dtype, device_index: int) -> dict[str, cut
 
 
 def pack_launch(kernels: Mapping[str, cutlass_gemm._Kernel], forward: bool, variant: Mapping[str, int],
-                w: torch.Tensor, reduce: int, cols: int) -> tuple[torch.Tensor, tuple]:
-    """W_packed for ``variant`` (allocated, not yet written) and the (kernel, grid, args) launch
-    that writes it from W."""
+                w: torch.Tensor, reduce: int, cols: int, products: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """W_packed for ``variant`` and the tile counters of ``products`` launches (allocated, not yet
+    written), and the (kernel, grid, args) launch that packs W into the one and zeroes the other."""
     num_offsets = w.shape[0]
     packed = torch.empty(packed_numel(variant, num_offsets, reduce, cols), dtype=w.dtype, device=w.device)
+    counters = torch.empty(products, dtype=torch.int32, device=w.device)
+    assert products <= PACK_THREADS, "one pack block zeroes the counters"
     grid = (min(1024, math.ceil(packed.numel() / PACK_THREADS)), 1, 1)
-    return packed, (kernels[PACK_KERNELS[0 if forward else 1]], grid, (w, packed, num_offsets, reduce, cols))
+    args = (w, packed, num_offsets, reduce, cols, counters, products)
+    return packed, counters, (kernels[PACK_KERNELS[0 if forward else 1]], grid, args)
 
 
 @functools.cache
@@ -108,7 +113,7 @@ def _multiprocessors(device_index: int) -> int:
 
 def grid(tiles: int, device_index: int) -> tuple[int, int, int]:
     """The kernels are persistent: one block an SM (their shared memory allows no second), each
-    taking every gridDim-th of the ``tiles`` output tiles."""
+    taking the next untaken of the ``tiles`` output tiles when it is done with one."""
     return (max(1, min(tiles, _multiprocessors(device_index))), 1, 1)
 
 
@@ -141,7 +146,7 @@ def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kerne
     kernels = _kernels(tile, a.dtype, out.device.index)
     # Packed on every call: W changes with every optimizer step, and packing 27 x 256 x 256 is a
     # few microseconds against the product's hundreds.
-    packed, pack = pack_launch(kernels, forward, defines(tile, a.dtype), w, reduce, cols)
+    packed, counters, pack = pack_launch(kernels, forward, defines(tile, a.dtype), w, reduce, cols, len(groups))
     launches = [pack]
     per_offset = packed.numel() // w.shape[0]
     product = kernels[KERNELS[0 if forward else 1]]
@@ -151,7 +156,7 @@ def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kerne
         # "No neighbour" is row ``sources`` of ``a``: the kernel writes its zeros without reading
         # it, so ``a`` needs no appended zero row.
         launches.append((product, grid(counts.numel() * math.ceil(cols / tile.block_n), out.device.index), (a, packed[lo * per_offset:], table, order, offsets, counts, out, rows,
-                                         reduce, cols, sources, offsets.shape[1], int(step > 0))))
+                                         reduce, cols, sources, offsets.shape[1], int(step > 0), counters[step:])))
     cutlass_gemm._launch_all(out.device, launches)
 
 
