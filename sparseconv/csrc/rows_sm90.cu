@@ -132,8 +132,8 @@ struct Operands {
     array_aligned<Element, cosize_v<LayoutB>, 1024> b;
     uint64_t full[kStages];   // producer -> consumers: the stage's copies have landed
     uint64_t empty[kStages];  // consumers -> producer: the stage's wgmmas have read it
-    uint64_t tile_full[kTileSlots];   // the block's next tile is in tile_id[slot]
-    uint64_t tile_empty[kTileSlots];  // every thread has read tile_id[slot]
+    uint64_t tile_full[kTileSlots];   // the block's next tile is in tile_id[i]
+    uint64_t tile_empty[kTileSlots];  // every thread has read tile_id[i]
     int tile_id[kTileSlots];
   };
 
@@ -184,17 +184,17 @@ struct Ring {
 // (tiles go to whichever block is free, as a block-per-tile launch would have it, since tiles
 // differ several times in cost) and hands it over through a two-slot mailbox in shared memory.
 template <class Shared>
-__device__ int next_tile(Shared &shared, Ring &slot, bool takes, int *counter) {
+__device__ int next_tile(Shared &shared, Ring &mailbox, bool takes, int *counter) {
   using Barrier = cutlass::arch::ClusterBarrier;
   if (takes) {
-    Barrier::wait(&shared.tile_empty[slot.stage], slot.phase ^ 1);
-    shared.tile_id[slot.stage] = atomicAdd(counter, 1) + int(gridDim.x);
-    Barrier::arrive(&shared.tile_full[slot.stage]);
+    Barrier::wait(&shared.tile_empty[mailbox.stage], mailbox.phase ^ 1);
+    shared.tile_id[mailbox.stage] = atomicAdd(counter, 1) + int(gridDim.x);
+    Barrier::arrive(&shared.tile_full[mailbox.stage]);
   }
-  Barrier::wait(&shared.tile_full[slot.stage], slot.phase);
-  int const tile = shared.tile_id[slot.stage];
-  Barrier::arrive(&shared.tile_empty[slot.stage]);
-  slot.advance(kTileSlots);
+  Barrier::wait(&shared.tile_full[mailbox.stage], mailbox.phase);
+  int const tile = shared.tile_id[mailbox.stage];
+  Barrier::arrive(&shared.tile_empty[mailbox.stage]);
+  mailbox.advance(kTileSlots);
   return tile;
 }
 
@@ -263,11 +263,11 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
     static_assert(kStageB == int(kTileBytesB), "a stage of B is one contiguous tile");
     bool const copies_b = thread == 0;
     long long const b_tile_step = (long long)tiles_n * BN * BK;  // tile (k, kb, nb) to (k, kb + 1, nb)
-    Ring ring, slot;
+    Ring ring, mailbox;
 #if SC_PRODUCER_FENCE
     int pending = -1;  // the stage whose copies were issued but not yet announced
 #endif
-    for (int tile = blockIdx.x; tile < tiles; tile = next_tile(shared, slot, thread == 0, next)) {
+    for (int tile = blockIdx.x; tile < tiles; tile = next_tile(shared, mailbox, thread == 0, next)) {
       int const pid_m = tile / tiles_n, pid_n = tile % tiles_n;
       int const m0 = pid_m * BM;
       int const listed = count[pid_m];
@@ -372,8 +372,8 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
                   "one wgmma tile per warpgroup");
     Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
 
-    Ring ring, release, slot;
-    for (int tile = blockIdx.x; tile < tiles; tile = next_tile(shared, slot, false, next)) {
+    Ring ring, release, mailbox;
+    for (int tile = blockIdx.x; tile < tiles; tile = next_tile(shared, mailbox, false, next)) {
       int const pid_m = tile / tiles_n, pid_n = tile % tiles_n;
       int const m0 = pid_m * BM, n0 = pid_n * BN;
       int const steps = count[pid_m] * k_blocks;
@@ -456,9 +456,11 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
 // W_packed of sc90_rows_ab / sc90_rows_abt: tile (k, kb, nb) of B_k, that is rows kb * BK.. and
 // columns nb * BN.. of W_k (ab) or W_k^T (abt), stored as the BN x BK elements of one shared
 // stage in that stage's swizzled order, zeros past the ends of W; tiles ordered (k, kb, nb).
+// Also zeroes counters[0, num_counters), the tile counters of the products that follow.
 template <bool Transposed>
 __device__ void pack_b(Element const *__restrict__ w, Element *__restrict__ packed, int num_offsets, int reduce,
-                       int cols) {
+                       int cols, int *__restrict__ counters, int num_counters) {
+  if (blockIdx.x == 0 && int(threadIdx.x) < num_counters) counters[threadIdx.x] = 0;
   using LayoutB = typename Operands<Transposed>::LayoutB;
   int const k_blocks = (reduce + BK - 1) / BK, tiles_n = (cols + BN - 1) / BN;
   long long const total = (long long)num_offsets * k_blocks * tiles_n * BN * BK;
@@ -499,14 +501,12 @@ sc90_rows_abt(Element const *a, Element const *w_packed, int const *table, int c
 // products that follow it on the stream.
 extern "C" __global__ void sc90_pack_ab(Element const *w, Element *packed, int num_offsets, int reduce, int cols,
                                         int *counters, int num_counters) {
-  if (blockIdx.x == 0 && int(threadIdx.x) < num_counters) counters[threadIdx.x] = 0;
-  sc90::pack_b<false>(w, packed, num_offsets, reduce, cols);
+  sc90::pack_b<false>(w, packed, num_offsets, reduce, cols, counters, num_counters);
 }
 
 extern "C" __global__ void sc90_pack_abt(Element const *w, Element *packed, int num_offsets, int reduce, int cols,
                                         int *counters, int num_counters) {
-  if (blockIdx.x == 0 && int(threadIdx.x) < num_counters) counters[threadIdx.x] = 0;
-  sc90::pack_b<true>(w, packed, num_offsets, reduce, cols);
+  sc90::pack_b<true>(w, packed, num_offsets, reduce, cols, counters, num_counters);
 }
 
 // {threads per block, dynamic shared bytes} of sc90_rows_ab, sc90_rows_abt.

@@ -5,10 +5,10 @@ tile of output rows sorted by neighbour mask and writes each once, deterministic
 offset lists (:func:`mask_triton.active_lists`) instead of a mask, on warp-specialized wgmma: one
 warpgroup gathers rows with cp.async into a ring of SC_STAGES shared-memory stages (and brings
 each stage's tile of W, packed beforehand by ``PACK_KERNELS`` into shared-memory order, in one
-bulk copy), one or two warpgroups (BM = 64 or 128 rows) multiply them. Blocks are persistent, one an SM, and take the
-next untaken tile from a per-launch counter (zeroed by the pack kernel) when they finish one, so
-the next tile's gathers overlap this one's epilogue and tiles of uneven cost balance. Compiled with
-``cuda_jit`` for the architecture string ``"sm_90a"`` only: wgmma and setmaxnreg exist on sm_90a
+bulk copy), one or two warpgroups (BM = 64 or 128 rows) multiply them. Blocks are persistent,
+one an SM, and take the next untaken tile from a per-launch counter (zeroed by the pack kernel)
+when they finish one, so the next tile's gathers overlap this one's epilogue and tiles of uneven
+cost balance. Compiled with ``cuda_jit`` for the architecture string ``"sm_90a"`` only: wgmma and setmaxnreg exist on sm_90a
 alone, so the backend registers for compute capability 9.0 (H100/H200) and says so elsewhere.
 float16 and bfloat16 with fp32 accumulation, channel counts multiples of 8; other problems fall
 back to the other backends. The tile is an inner configuration tuned with ``@autotune``; the
