@@ -75,23 +75,23 @@ def naive_conv(feats: torch.Tensor, weight: torch.Tensor, kernel_map) -> torch.T
     return out
 
 
-def time_anchor(spc, layer: str, coords, feats, c: int, dtype, repeats: int) -> tuple[float, float]:
-    kernel, stride, transposed = LAYERS[layer]
+def anchor_layer(spc, layer: str, coords, feats, c: int, dtype):
+    """(conv, input, input with leaf features) of a peer library for one benchmark layer."""
     leaf = feats.clone().requires_grad_()
     if layer == "subm3":
         conv = spc.SubMConv3d(c, c, 3, bias=False, indice_key="k").to(DEVICE).to(dtype)
-        x, x_leaf = anchor_tensor(spc, coords, feats), anchor_tensor(spc, coords, leaf)
-    else:
-        down = spc.SparseConv3d(c, c, 2, 2, bias=False, indice_key="d").to(DEVICE).to(dtype)
-        if layer == "down2":
-            conv = down
-            x, x_leaf = anchor_tensor(spc, coords, feats), anchor_tensor(spc, coords, leaf)
-        else:
-            conv = spc.SparseInverseConv3d(c, c, 2, indice_key="d", bias=False).to(DEVICE).to(dtype)
-            with torch.no_grad():
-                x = down(anchor_tensor(spc, coords, feats))
-            coarse_leaf = x.features.clone().requires_grad_()
-            x_leaf = x.replace_feature(coarse_leaf)
+        return conv, anchor_tensor(spc, coords, feats), anchor_tensor(spc, coords, leaf)
+    down = spc.SparseConv3d(c, c, 2, 2, bias=False, indice_key="d").to(DEVICE).to(dtype)
+    if layer == "down2":
+        return down, anchor_tensor(spc, coords, feats), anchor_tensor(spc, coords, leaf)
+    conv = spc.SparseInverseConv3d(c, c, 2, indice_key="d", bias=False).to(DEVICE).to(dtype)
+    with torch.no_grad():
+        x = down(anchor_tensor(spc, coords, feats))
+    return conv, x, x.replace_feature(x.features.clone().requires_grad_())
+
+
+def time_anchor(spc, layer: str, coords, feats, c: int, dtype, repeats: int) -> tuple[float, float]:
+    conv, x, x_leaf = anchor_layer(spc, layer, coords, feats, c, dtype)
     fwd = median_ms(lambda: conv(x), repeats)
     fwd_bwd = median_ms(lambda: conv(x_leaf).features.sum().backward(), repeats)
     return fwd, fwd_bwd

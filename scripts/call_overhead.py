@@ -3,13 +3,15 @@
 `bench_layers.py` times a call with CUDA events around it on an idle GPU, so the host work
 before the first launch is in its numbers; in a network the host runs ahead and that work hides
 behind the previous layer's kernels. This prints both, per backend (pinned: its first parameter
-set, not the tuned one), on a submanifold 3^3 layer of a benchmark scene:
+set, not the tuned one), and for the whole tuned ``sparse_conv3d`` call, on one layer of a
+benchmark scene (a submanifold 3^3 conv, the k2 s2 downsampling or its transposed conv):
 
 - host: the call's own Python/launch time (perf_counter, the GPU kept busy so nothing waits);
 - events, idle GPU: as bench_layers.py measures it;
 - events, host hidden: the GPU time of the call alone (a queued sleep covers the host part).
 
     python scripts/call_overhead.py --scene street4 --channels 256 --dtype bfloat16
+    python scripts/call_overhead.py --scene street1 --layer up2 --backends implicit_gemm mask_implicit_gemm
     python scripts/call_overhead.py --backends cutlass_sm90 --profile 200   # where the host time goes
 """
 
@@ -23,11 +25,13 @@ import time
 
 import torch
 
-from bench_layers import SCENES
+from anchors import import_anchor
+from bench_layers import LAYERS, SCENES, anchor_layer
 
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.data import make_scene
+from sparseconv.ops import sparse_conv3d
 from sparseconv.ops.conv import _problem
 from sparseconv.ops.dispatch import dispatch
 
@@ -59,25 +63,47 @@ def main() -> None:
     parser.add_argument("--scene", default="street4", choices=list(SCENES))
     parser.add_argument("--channels", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--layer", default="subm3", choices=list(LAYERS))
     parser.add_argument("--backends", nargs="+", default=["cutlass_sm90", "mask_implicit_gemm", "cutlass_grouped"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--anchors", nargs="*", default=["spconv", "spconv_triton"],
+                        help="peer libraries whose forward call is timed the same way (none: skip)")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
                         help="also profile CALLS host calls per backend (cProfile, GPU kept busy) and print the top functions")
     args = parser.parse_args()
     kind, voxel, batch, scale = SCENES[args.scene]
     coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
     c, dtype, device = args.channels, getattr(torch, args.dtype), torch.device("cuda")
-    x = SparseTensor(coords.to(device), torch.randn(len(coords), c, device=device, dtype=dtype))
-    kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))
-    weight = torch.randn(27, c, c, device=device, dtype=dtype) / (27 * c) ** 0.5
-    problem = _problem(kernel_map, c, c, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False, dtype, device)
-    print(f"{torch.cuda.get_device_name()}: {args.scene} {args.dtype} C={c} subm3 forward, {kernel_map.num_pairs} pairs; "
-          f"median of {args.repeats} (ms)")
+    feats = torch.randn(len(coords), c, device=device, dtype=dtype)
+    x = SparseTensor(coords.to(device), feats)
+    kernel, stride, transposed = LAYERS[args.layer]
+    if transposed:  # the transposed conv runs on the downsampled tensor, back to the scene's coordinates
+        x = sparse_conv3d(x, torch.randn(8, c, c, device=device, dtype=dtype), kernel_size=2, stride=2)
+        x = x.replace(torch.randn(len(x), c, device=device, dtype=dtype))
+    shape, step = (kernel,) * 3, (stride,) * 3
+    kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, shape, step, (1, 1, 1), transposed, False))
+    weight = torch.randn(kernel**3, c, c, device=device, dtype=dtype) / (kernel**3 * c) ** 0.5
+    problem = _problem(kernel_map, c, c, shape, step, (1, 1, 1), transposed, False, dtype, device)
+    print(f"{torch.cuda.get_device_name()}: {args.scene} {args.dtype} C={c} {args.layer} forward, "
+          f"{kernel_map.num_in}->{kernel_map.num_out} rows, {kernel_map.num_pairs} pairs; median of {args.repeats} (ms)")
     print("backend | host | events, idle GPU | events, host hidden")
-    for name in args.backends:
-        def call(name=name):
-            return dispatch("AB_gather_scatter", problem, name, x.feats, weight, kernel_map)
-
+    record: dict[str, str] = {}
+    sparse_conv3d(x, weight, kernel_size=kernel, stride=stride, transposed=transposed, record=record)  # tunes
+    calls = {name: lambda name=name: dispatch("AB_gather_scatter", problem, name, x.feats, weight, kernel_map)
+             for name in args.backends}
+    calls[f"sparse_conv3d, tuned: {record.get('AB_gather_scatter')}"] = lambda: sparse_conv3d(
+        x, weight, kernel_size=kernel, stride=stride, transposed=transposed)
+    for anchor in args.anchors:
+        spc = import_anchor(anchor)
+        if isinstance(spc, str):
+            print(f"{anchor} | {spc}")
+            continue
+        try:
+            conv, anchor_x, _ = anchor_layer(spc, args.layer, coords.to(device), feats, c, dtype)
+            calls[anchor] = lambda conv=conv, anchor_x=anchor_x: conv(anchor_x)
+        except Exception as error:  # noqa: BLE001 - a peer missing here, or without this dtype
+            print(f"{anchor} | n/a ({type(error).__name__}: {error})"[:300])
+    for name, call in calls.items():
         try:
             for _ in range(3):
                 call()
