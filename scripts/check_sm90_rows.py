@@ -15,6 +15,8 @@ by sparseconv; the checkout is put on sys.path, so sparseconv need not be instal
 
     python scripts/check_sm90_rows.py
     python scripts/check_sm90_rows.py --dry-run   # CPU only: problem, tables, reference, emulation
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+        python scripts/check_sm90_rows.py --profile-tile 128 256   # one bf16 C=256 forward launch
 
 A case that does not finish within --hang-seconds is reported as a hang and ends the script
 (a deadlocked kernel cannot be stopped from Python).
@@ -258,6 +260,9 @@ def gpu(args) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     variants = cutlass_sm90.sm90_variants()
+    if args.profile_tile:
+        variants = [v for v in variants if v["SC_ELEMENT"] == 1
+                    and (64 * v["SC_CONSUMERS"], v["SC_TB_N"]) == tuple(args.profile_tile)]
     if args.producer_fence:  # the fallback signalling of rows_sm90.cu, to compare with the default
         variants = [{**v, "SC_PRODUCER_FENCE": 1} for v in variants]
     started = time.perf_counter()
@@ -289,6 +294,9 @@ def gpu(args) -> int:
         if k.shared_bytes > optin:
             print(f"  skip {label}: needs {k.shared_bytes} B of shared memory, the device allows {optin}")
             del kernels[label]
+
+    if args.profile_tile:
+        return profile_launch(kernels, kernel_map, nbr, device)
 
     prepared: dict[tuple[bool, int], Prepared] = {}
     inputs: dict[tuple, dict] = {}
@@ -384,12 +392,36 @@ def gpu(args) -> int:
     return int(failures > 0)
 
 
+def profile_launch(kernels: dict, kernel_map: KernelMap, nbr: torch.Tensor, device) -> int:
+    """One persistent bf16 C=256 forward launch of the one compiled variant, between
+    cudaProfilerStart and Stop (for ``ncu --profile-from-start off``), after three unprofiled ones."""
+    if len(kernels) != 1:
+        print(f"--profile-tile matches {len(kernels)} variants, expected 1")
+        return 2
+    (variant, ks), = kernels.values()
+    prep = Prepared(kernel_map, True, 64 * variant["SC_CONSUMERS"])
+    ops = operands(nbr, 256, 256, torch.bfloat16, device)
+    source = torch.cat([ops["x"], ops["x"].new_zeros(1, 256)])
+    out = torch.empty(nbr.shape[0], 256, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        run_kernel(ks, True, variant, prep, source, ops["w"], out, False)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run_kernel(ks, True, variant, prep, source, ops["w"], out, False)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"profiled one launch of {label_of(variant)}, C=256 forward, {int((nbr >= 0).sum())} pairs")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU only: problem construction, tables, reference")
     parser.add_argument("--side", type=int, default=600, help="grid side of the height field (0.85 side^2 voxels)")
     parser.add_argument("--hang-seconds", type=float, default=60.0)
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--profile-tile", nargs=2, type=int, metavar=("BM", "BN"),
+                        help="no checks: one bf16 C=256 forward launch of this tile for a profiler (see above)")
     parser.add_argument("--producer-fence", action="store_true",
                         help="build with -DSC_PRODUCER_FENCE=1 (wait_group + fence + arrive instead of the noinc arrive)")
     args = parser.parse_args()
