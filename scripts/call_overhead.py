@@ -91,6 +91,8 @@ def main() -> None:
     sparse_conv3d(x, weight, kernel_size=kernel, stride=stride, transposed=transposed, record=record)  # tunes
     calls = {name: lambda name=name: dispatch("AB_gather_scatter", problem, name, x.feats, weight, kernel_map)
              for name in args.backends}
+    calls["dispatch, tuned (no sparse_conv3d wrapper)"] = lambda: dispatch(
+        "AB_gather_scatter", problem, None, x.feats, weight, kernel_map)
     calls[f"sparse_conv3d, tuned: {record.get('AB_gather_scatter')}"] = lambda: sparse_conv3d(
         x, weight, kernel_size=kernel, stride=stride, transposed=transposed)
     for anchor in args.anchors:

@@ -107,7 +107,10 @@ def sparse_conv3d(
     layer = (weight.shape[1], weight.shape[2], kernel_size, stride, dilation, bool(transposed), bool(generative),
              feats.dtype, feats.device)
     problem = kernel_map.derived(("conv_problem", *layer), lambda m: _problem(m, *layer))
-    out = SparseConvFunction.apply(feats, weight, kernel_map, problem, pins, record)
+    if torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad):
+        out = SparseConvFunction.apply(feats, weight, kernel_map, problem, pins, record)
+    else:  # nothing to differentiate: the forward product alone, without an autograd node (~5 µs)
+        out = dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map, record)
     if bias is not None:
         out = out + bias
     return SparseTensor._derived(out, input.cache, out_id)

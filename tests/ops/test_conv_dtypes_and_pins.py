@@ -57,6 +57,34 @@ def test_explicit_wgrad_sums_long_reductions_in_float32(dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_calls_without_gradients_skip_autograd_and_match_the_reference(mode, device):
+    """Inference calls (no_grad, or no input needing a gradient) run the forward product without an
+    autograd node and give the dense reference; a call where only the weight needs a gradient
+    still builds one and gets the reference's weight gradient."""
+    x = make_input(mode, 5, device)
+    conv = make_conv(mode, 5, 4, device)
+    args = (conv.kernel_size, conv.stride, conv.dilation, conv.transposed, conv.generative)
+    record: dict[str, str] = {}
+    with torch.no_grad():
+        out = sparse_conv3d(x, conv.weight, conv.bias, *args, record=record)
+    plain = sparse_conv3d(x, conv.weight.detach(), conv.bias.detach(), *args)
+    for result in (out, plain):
+        assert result.feats.grad_fn is None and not result.feats.requires_grad
+    assert set(record) == {"AB_gather_scatter"}
+    ref = reference(conv, x, out, x.feats)
+    assert relative_error(out.feats, ref.detach()) < 1e-12
+    assert torch.equal(plain.feats, out.feats)
+
+    graph = sparse_conv3d(x, conv.weight, conv.bias, *args)
+    assert graph.feats.requires_grad and torch.equal(graph.feats.detach(), out.feats)
+    probe = torch.randn_like(ref)
+    (grad_weight,) = torch.autograd.grad((graph.feats * probe).sum(), [conv.weight])
+    (ref_weight,) = torch.autograd.grad((ref * probe).sum(), [conv.weight])
+    assert relative_error(grad_weight, ref_weight) < 1e-12
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_autocast_runs_the_conv_in_the_autocast_dtype(device):
     mode = MODES[1]
     x = make_input(mode, 8, device, dtype=torch.float32, n=200)
