@@ -74,10 +74,10 @@ def test_calls_without_gradients_skip_autograd_and_match_the_reference(mode, dev
     assert set(record) == {"AB_gather_scatter"}
     ref = reference(conv, x, out, x.feats)
     assert relative_error(out.feats, ref.detach()) < 1e-12
-    assert torch.equal(plain.feats, out.feats)
+    assert relative_error(plain.feats, out.feats) < 1e-12  # not bit-equal: CUDA scatters add in any order
 
     graph = sparse_conv3d(x, conv.weight, conv.bias, *args)
-    assert graph.feats.requires_grad and torch.equal(graph.feats.detach(), out.feats)
+    assert graph.feats.requires_grad and relative_error(graph.feats.detach(), out.feats) < 1e-12
     probe = torch.randn_like(ref)
     (grad_weight,) = torch.autograd.grad((graph.feats * probe).sum(), [conv.weight])
     (ref_weight,) = torch.autograd.grad((ref * probe).sum(), [conv.weight])
