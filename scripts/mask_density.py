@@ -5,6 +5,7 @@ For the submanifold 3^3 map of each benchmark scene (built on the CPU), sorts ro
 prints pairs / visited rows, the fraction of the multiply-adds that are not on zero rows.
 
     python scripts/mask_density.py [--scenes street4 room2] [--block-m 64 128]
+    python scripts/mask_density.py --scenes street4 --orders   # other row orders, one group, forward
 """
 
 from __future__ import annotations
@@ -21,12 +22,59 @@ from sparseconv.data import make_scene
 from sparseconv.ops.backends import mask_triton
 
 
+def lexicographic(present: torch.Tensor, bit_order: torch.Tensor) -> torch.Tensor:
+    weights = torch.pow(2, torch.arange(len(bit_order) - 1, -1, -1, dtype=torch.int64))
+    return torch.argsort((present[:, bit_order].long() * weights).sum(1), stable=True)
+
+
+def morton(coords: torch.Tensor) -> torch.Tensor:
+    """Batch, then the Z-order of x, y, z: spatial neighbours next to each other."""
+    xyz = coords[:, 1:].long() - coords[:, 1:].long().amin(0)
+    code = torch.zeros(len(coords), dtype=torch.int64)
+    for bit in range(20):
+        for axis in range(3):
+            code |= ((xyz[:, axis] >> bit) & 1) << (3 * bit + axis)
+    return torch.argsort(code | coords[:, 0].long() << 60, stable=True)
+
+
+def compare_orders(coords: torch.Tensor, present: torch.Tensor, block_ms: list[int]) -> None:
+    """Useful fraction of one offset group's tiles under other row orders than the shipped one."""
+    rarest = torch.argsort(present.sum(0), stable=True)
+    popcount_major = torch.argsort(present.sum(1).long() << 32 | lexicographic(present, rarest).argsort(), stable=True)
+    orders = {"rarest offset first (shipped)": lexicographic(present, rarest),
+              "commonest offset first": lexicographic(present, rarest.flip(0)),
+              "neighbour count, then shipped": popcount_major,
+              "Morton (spatial)": morton(coords), "none (coordinate order)": torch.arange(len(present))}
+    pairs, width = int(present.sum()), present.shape[1]
+    for name, order in orders.items():
+        cells = []
+        for block_m in block_ms:
+            tiles = -(-len(order) // block_m)
+            padded = torch.zeros(tiles * block_m, width, dtype=torch.bool)
+            padded[: len(order)] = present[order]
+            cells.append(f"{pairs / (int(padded.view(tiles, block_m, width).any(1).sum()) * block_m):.3f}")
+        print(" | ".join([name, *cells]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenes", nargs="+", default=["street4", "room2"], choices=list(SCENES))
     parser.add_argument("--block-m", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--splits", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--orders", action="store_true", help="compare row orders instead (one group, forward)")
     args = parser.parse_args()
+    if args.orders:
+        for scene in args.scenes:
+            kind, voxel, batch, scale = SCENES[scene]
+            coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
+            x = SparseTensor(coords, torch.zeros(len(coords), 1))
+            kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))
+            present = kernel_map.neighbors >= 0
+            masks = torch.unique((present.long() << torch.arange(present.shape[1])).sum(1))
+            print(f"{scene}: {len(coords)} rows, {len(masks)} distinct neighbour masks")
+            print("order | " + " | ".join(f"useful, block_m {m}" for m in args.block_m))
+            compare_orders(coords, present, args.block_m)
+        return
     print("scene | voxels | pairs | product | block_m | " + " | ".join(f"useful, {s} group(s)" for s in args.splits))
     for scene in args.scenes:
         kind, voxel, batch, scale = SCENES[scene]
