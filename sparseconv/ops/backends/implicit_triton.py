@@ -72,7 +72,8 @@ def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Te
 GEMM_SPACE = tuple(
     {"block_p": p, "block_n": n, "block_k": k, "num_warps": nw, "num_stages": st}
     for p, n, k, nw, st in [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 32, 32, 4, 2),
-                            (256, 64, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 32, 4, 3), (32, 32, 32, 4, 2)]
+                            (256, 64, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 32, 4, 3), (32, 32, 32, 4, 2),
+                            (128, 256, 64, 8, 3)]
 )
 WGRAD_SPACE = tuple(
     {"block_p": p, "block_m": m, "block_n": n, "split": s, "num_warps": nw, "num_stages": 3}
@@ -82,8 +83,12 @@ WGRAD_SPACE = tuple(
 
 
 def gemm_pool(problem: ConvProblem, level: str) -> list[Mapping]:
-    wide = max(problem.in_channels, problem.out_channels) > 64
-    return tk.pool_on(problem, level, GEMM_SPACE, [GEMM_SPACE[2] if wide else GEMM_SPACE[0], GEMM_SPACE[1]])
+    """At 256 output columns and more, also a tile as wide as the row: each pair's input row is
+    gathered once instead of once per column block (the transposed k2 s2 layer, where every
+    output row has one pair, moves little else)."""
+    widest = max(problem.in_channels, problem.out_channels)
+    auto = [GEMM_SPACE[2] if widest > 64 else GEMM_SPACE[0], GEMM_SPACE[1]]
+    return tk.pool_on(problem, level, GEMM_SPACE, auto + [GEMM_SPACE[8]] * (widest >= 256))
 
 
 def wgrad_pool(problem: ConvProblem, level: str) -> list[Mapping]:
