@@ -78,17 +78,11 @@ def test_triton_backends_match_explicit_gemm_at_wide_channels(channels, dtype, p
     test_triton_backends_match_explicit_gemm(CASES[0], channels, dtype, "cuda", poisoned_outputs)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("params", mask_triton.SPACE,
-                         ids=lambda p: "m{block_m}n{block_n}k{block_k}w{num_warps}s{num_stages}-sort{sort}-splits{splits}".format(**p))
-def test_every_mask_tile_matches_explicit_gemm(params, device, poisoned_outputs):
-    """Each tile of the space walks its tiles' active-offset lists correctly, in one offset group
-    or several (the later ones adding), tails included (96 reduce channels are not a multiple of
-    BLOCK_K = 64, 40 outputs not of BLOCK_N)."""
-    if device == "cpu" and mask_triton.SPACE.index(params) % 5:
-        pytest.skip("the interpreter runs every fifth set (both sorts, 1-3 groups, BLOCK_K 32 and 64); the GPU all")
-    backend = get("mask_implicit_gemm")
-    for mode in (CASES[0], next(m for m in CASES if m.name == "transposed_k3_s2")):
+def _check_tile(name: str, params: dict, second_mode: str, device) -> None:
+    """``name`` with ``params`` against explicit_gemm, forward and dgrad, 96 -> 40 channels (tails),
+    on the submanifold map and on ``second_mode``'s."""
+    backend = get(name)
+    for mode in (CASES[0], next(m for m in CASES if m.name == second_mode)):
         n = 60 if device == "cpu" else 6000
         x = make_input(mode, 96, device, dtype=torch.float16, n=n, extent=7 if device == "cpu" else 40)
         key = KernelMapKey(x.coord_id, (mode.kernel_size,) * 3, (mode.stride,) * 3, (1, 1, 1), mode.transposed,
@@ -105,6 +99,18 @@ def test_every_mask_tile_matches_explicit_gemm(params, device, poisoned_outputs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", mask_triton.SPACE,
+                         ids=lambda p: "m{block_m}n{block_n}k{block_k}w{num_warps}s{num_stages}-sort{sort}-splits{splits}".format(**p))
+def test_every_mask_tile_matches_explicit_gemm(params, device, poisoned_outputs):
+    """Each tile of the space walks its tiles' active-offset lists correctly, in one offset group
+    or several (the later ones adding), tails included (96 reduce channels are not a multiple of
+    BLOCK_K = 64, 40 outputs not of BLOCK_N)."""
+    if device == "cpu" and mask_triton.SPACE.index(params) % 5:
+        pytest.skip("the interpreter runs every fifth set (both sorts, 1-3 groups, BLOCK_K 32 and 64); the GPU all")
+    _check_tile("mask_implicit_gemm", params, "transposed_k3_s2", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("params", implicit_triton.GEMM_SPACE,
                          ids=lambda p: "p{block_p}n{block_n}k{block_k}w{num_warps}s{num_stages}".format(**p))
 def test_every_implicit_gemm_tile_matches_explicit_gemm(params, device, poisoned_outputs):
@@ -113,21 +119,7 @@ def test_every_implicit_gemm_tile_matches_explicit_gemm(params, device, poisoned
     output), forward and dgrad, with channel tails (96 reduce channels, 40 output columns)."""
     if device == "cpu" and params is not implicit_triton.GEMM_SPACE[-1]:
         pytest.skip("the interpreter runs the widest tile (the others run in the tests above); the GPU all")
-    backend = get("implicit_gemm")
-    for mode in (CASES[0], next(m for m in CASES if m.name == "transposed_k2_s2")):
-        n = 50 if device == "cpu" else 6000
-        x = make_input(mode, 96, device, dtype=torch.float16, n=n, extent=6 if device == "cpu" else 40)
-        key = KernelMapKey(x.coord_id, (mode.kernel_size,) * 3, (mode.stride,) * 3, (1, 1, 1), mode.transposed,
-                           mode.generative)
-        kernel_map, _ = x.cache.kernel_map(key)
-        weight = torch.randn(kernel_map.kernel_volume, 96, 40, device=device, dtype=torch.float16) / 96 ** 0.5
-        grad_out = torch.randn(kernel_map.num_out, 40, device=device, dtype=torch.float16)
-        problem = _problem(x, kernel_map, 96, 40, torch.float16, mode)
-        for namespace, a in (("AB_gather_scatter", x.feats), ("ABt_gather_scatter", grad_out)):
-            out = backend.run(namespace, problem, params, a, weight, kernel_map)
-            ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
-            assert bool(torch.isfinite(out).all()), f"{mode} {namespace}: unwritten output"
-            assert relative_error(out, ref) < TOLERANCE[torch.float16], f"{mode} {namespace}"
+    _check_tile("implicit_gemm", params, "transposed_k2_s2", device)
 
 
 @pytest.mark.parametrize("channels", [32, 96, 256])
