@@ -37,11 +37,14 @@ def morton(coords: torch.Tensor) -> torch.Tensor:
     return torch.argsort(code | coords[:, 0].long() << 60, stable=True)
 
 
-def compare_orders(coords: torch.Tensor, present: torch.Tensor, block_ms: list[int]) -> None:
-    """Useful fraction of one offset group's tiles under other row orders than the shipped one."""
+def compare_orders(coords: torch.Tensor, table: torch.Tensor, block_ms: list[int]) -> None:
+    """Useful fraction of one offset group's tiles under other row orders than the shipped one
+    (``mask_triton.row_order``) for the (rows, offsets) neighbour ``table``."""
+    present = table >= 0
+    shipped = mask_triton.row_order(table, True).long()
     rarest = torch.argsort(present.sum(0), stable=True)
-    popcount_major = torch.argsort(present.sum(1).long() << 32 | lexicographic(present, rarest).argsort(), stable=True)
-    orders = {"rarest offset first (shipped)": lexicographic(present, rarest),
+    popcount_major = torch.argsort(present.sum(1).long() << 32 | shipped.argsort(), stable=True)
+    orders = {"rarest offset first (shipped)": shipped,
               "commonest offset first": lexicographic(present, rarest.flip(0)),
               "neighbour count, then shipped": popcount_major,
               "Morton (spatial)": morton(coords), "none (coordinate order)": torch.arange(len(present))}
@@ -56,6 +59,14 @@ def compare_orders(coords: torch.Tensor, present: torch.Tensor, block_ms: list[i
         print(" | ".join([name, *cells]))
 
 
+def scene_map(scene: str):
+    """(coords, submanifold 3^3 kernel map) of a benchmark scene, built on the CPU."""
+    kind, voxel, batch, scale = SCENES[scene]
+    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
+    x = SparseTensor(coords, torch.zeros(len(coords), 1))
+    return coords, x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenes", nargs="+", default=["street4", "room2"], choices=list(SCENES))
@@ -65,22 +76,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.orders:
         for scene in args.scenes:
-            kind, voxel, batch, scale = SCENES[scene]
-            coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
-            x = SparseTensor(coords, torch.zeros(len(coords), 1))
-            kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))
+            coords, kernel_map = scene_map(scene)
             present = kernel_map.neighbors >= 0
             masks = torch.unique((present.long() << torch.arange(present.shape[1])).sum(1))
             print(f"{scene}: {len(coords)} rows, {len(masks)} distinct neighbour masks")
             print("order | " + " | ".join(f"useful, block_m {m}" for m in args.block_m))
-            compare_orders(coords, present, args.block_m)
+            compare_orders(coords, kernel_map.neighbors, args.block_m)
         return
     print("scene | voxels | pairs | product | block_m | " + " | ".join(f"useful, {s} group(s)" for s in args.splits))
     for scene in args.scenes:
-        kind, voxel, batch, scale = SCENES[scene]
-        coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
-        x = SparseTensor(coords, torch.zeros(len(coords), 1))
-        kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))
+        coords, kernel_map = scene_map(scene)
         for forward in (True, False):
             for block_m in args.block_m:
                 cells = []
