@@ -13,12 +13,20 @@ benchmark scene (a submanifold 3^3 conv, the k2 s2 downsampling or its transpose
     python scripts/call_overhead.py --scene street4 --channels 256 --dtype bfloat16
     python scripts/call_overhead.py --scene street1 --layer up2 --backends implicit_gemm mask_implicit_gemm
     python scripts/call_overhead.py --backends cutlass_sm90 --profile 200   # where the host time goes
+    python scripts/call_overhead.py --scene street1 --layer up2 --channels 32 --backward --profile 20
+
+``--backward`` times the tuned layer's backward instead: each backward product alone, the
+backward alone on a retained graph, forward+backward as bench_layers.py runs it, a dense
+torch layer of the same rows (the autograd engine's own cost) and the peers' forward+backward;
+with ``--profile`` it prints where one forward+backward spends its host time (torch.profiler
+over every thread, and cProfile inside our backward, which runs on autograd's device thread).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import time
@@ -32,7 +40,7 @@ from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.data import make_scene
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.conv import _problem
+from sparseconv.ops.conv import SparseConvFunction, _problem
 from sparseconv.ops.dispatch import dispatch
 
 SLEEP_CYCLES = 20_000_000  # ~10 ms of queued GPU work on an H100/H200
@@ -70,6 +78,8 @@ def main() -> None:
                         help="peer libraries whose forward call is timed the same way (none: skip)")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
                         help="also profile CALLS host calls per backend (cProfile, GPU kept busy) and print the top functions")
+    parser.add_argument("--backward", action="store_true",
+                        help="time the tuned layer's backward products, backward and forward+backward instead")
     args = parser.parse_args()
     kind, voxel, batch, scale = SCENES[args.scene]
     coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
@@ -84,6 +94,8 @@ def main() -> None:
     kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, shape, step, (1, 1, 1), transposed, False))
     weight = torch.randn(kernel**3, c, c, device=device, dtype=dtype) / (kernel**3 * c) ** 0.5
     problem = _problem(kernel_map, c, c, shape, step, (1, 1, 1), transposed, False, dtype, device)
+    if args.backward:
+        return backward_rows(args, x, weight, kernel_map, problem, coords.to(device), feats)
     print(f"{torch.cuda.get_device_name()}: {args.scene} {args.dtype} C={c} {args.layer} forward, "
           f"{kernel_map.num_in}->{kernel_map.num_out} rows, {kernel_map.num_pairs} pairs; median of {args.repeats} (ms)")
     print("backend | host | events, idle GPU | events, host hidden")
@@ -105,6 +117,11 @@ def main() -> None:
             calls[anchor] = lambda conv=conv, anchor_x=anchor_x: conv(anchor_x)
         except Exception as error:  # noqa: BLE001 - a peer missing here, or without this dtype
             print(f"{anchor} | n/a ({type(error).__name__}: {error})"[:300])
+    time_rows(calls, args.repeats, args.profile)
+
+
+def time_rows(calls: dict, repeats: int, profile: int = 0) -> None:
+    """One table row per call: host, idle-GPU events and host-hidden events (medians, ms)."""
     for name, call in calls.items():
         try:
             for _ in range(3):
@@ -113,12 +130,108 @@ def main() -> None:
             print(f"{name} | n/a ({error})"[:300])
             continue
         torch.cuda.synchronize()
-        host = statistics.median(host_ms(call) for _ in range(args.repeats))
-        idle = statistics.median(events_ms(call, False) for _ in range(args.repeats))
-        busy = statistics.median(events_ms(call, True) for _ in range(args.repeats))
+        host = statistics.median(host_ms(call) for _ in range(repeats))
+        idle = statistics.median(events_ms(call, False) for _ in range(repeats))
+        busy = statistics.median(events_ms(call, True) for _ in range(repeats))
         print(f"{name} | {host:.3f} | {idle:.3f} | {busy:.3f}", flush=True)
-        if args.profile:
-            profile_host(call, args.profile)
+        if profile:
+            profile_host(call, profile)
+
+
+def backward_rows(args, x: SparseTensor, weight, kernel_map, problem, coords, feats) -> None:
+    """The backward's rows (see the module docstring), then optionally where its host time goes."""
+    kernel, stride, transposed = LAYERS[args.layer]
+    layer = dict(kernel_size=kernel, stride=stride, transposed=transposed)
+    leaf_feats = x.feats.clone().requires_grad_()
+    leaf_weight = weight.clone().requires_grad_()
+    record: dict[str, str] = {}
+    sparse_conv3d(x.replace(leaf_feats), leaf_weight, record=record, **layer).feats.sum().backward()  # tunes all three
+    print(f"{torch.cuda.get_device_name()}: {args.scene} {args.dtype} C={args.channels} {args.layer} backward, "
+          f"{kernel_map.num_in}->{kernel_map.num_out} rows, {kernel_map.num_pairs} pairs; median of {args.repeats} (ms)")
+    print("tuned: " + " / ".join(record.get(ns, "?") for ns in ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")))
+    print("call | host | events, idle GPU | events, host hidden")
+    grad_out = torch.randn(kernel_map.num_out, weight.shape[2], device=weight.device, dtype=weight.dtype)
+    retained = sparse_conv3d(x.replace(leaf_feats), leaf_weight, **layer).feats
+    dense = torch.nn.Linear(weight.shape[1], weight.shape[2], bias=False, device=weight.device, dtype=weight.dtype)
+    calls = {
+        "forward: sparse_conv3d": lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **layer),
+        "dgrad product: dispatch": lambda: dispatch("ABt_gather_scatter", problem, None, grad_out, weight, kernel_map),
+        "wgrad product: dispatch": lambda: dispatch("AtB_gather_gather", problem, None, x.feats, grad_out, kernel_map),
+        "backward alone (retained graph, ready grad)": lambda: retained.backward(grad_out, retain_graph=True),
+        "forward+backward (.sum().backward())": lambda: sparse_conv3d(
+            x.replace(leaf_feats), leaf_weight, **layer).feats.sum().backward(),
+        "forward+backward, ready grad (no .sum())": lambda: sparse_conv3d(
+            x.replace(leaf_feats), leaf_weight, **layer).feats.backward(grad_out),
+        "forward+backward, autograd.grad (no leaf accumulation)": lambda: torch.autograd.grad(
+            sparse_conv3d(x.replace(leaf_feats), leaf_weight, **layer).feats, (leaf_feats, leaf_weight), grad_out),
+        "dense torch Linear on the output rows, forward+backward": lambda: dense(
+            torch.empty(kernel_map.num_out, weight.shape[1], device=weight.device, dtype=weight.dtype).requires_grad_()
+        ).sum().backward(),
+        "a Python autograd.Function around torch.mm, forward+backward": lambda: _MatMul.apply(
+            torch.empty(kernel_map.num_out, weight.shape[1], device=weight.device, dtype=weight.dtype).requires_grad_(),
+            leaf_weight[0]).sum().backward(),
+    }
+    for anchor in args.anchors:
+        spc = import_anchor(anchor)
+        if isinstance(spc, str):
+            print(f"{anchor} | {spc}")
+            continue
+        try:
+            conv, _, anchor_leaf = anchor_layer(spc, args.layer, coords, feats, args.channels, weight.dtype)
+            calls[f"{anchor} forward+backward"] = lambda conv=conv, leaf=anchor_leaf: conv(leaf).features.sum().backward()
+        except Exception as error:  # noqa: BLE001 - a peer missing here, or without this dtype
+            print(f"{anchor} | n/a ({type(error).__name__}: {error})"[:300])
+    time_rows(calls, args.repeats)
+    if args.profile:
+        profile_backward(lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **layer).feats.sum().backward(),
+                         args.profile)
+
+
+class _MatMul(torch.autograd.Function):
+    """The smallest Python autograd node with two products in backward: the engine's own cost."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad @ b.t(), a.t() @ grad
+
+
+def profile_backward(call, calls: int) -> None:
+    """torch.profiler over ``calls`` forward+backward calls (all threads, by own CPU time), then
+    cProfile inside SparseConvFunction.backward, which autograd runs on its device thread."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if os.environ.get("OUT"):  # the device machine's result folder: a timeline to read back
+        prof.export_chrome_trace(os.path.join(os.environ["OUT"], "backward_trace.json"))
+    profiler = cProfile.Profile()
+    original = SparseConvFunction.backward
+
+    def profiled(ctx, grad_out):
+        profiler.enable()
+        try:
+            return original(ctx, grad_out)
+        finally:
+            profiler.disable()
+
+    SparseConvFunction.backward = staticmethod(profiled)
+    try:
+        torch.cuda._sleep(SLEEP_CYCLES * 4)
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    finally:
+        SparseConvFunction.backward = staticmethod(original)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def profile_host(call, calls: int) -> None:
