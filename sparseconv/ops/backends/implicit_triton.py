@@ -75,10 +75,14 @@ GEMM_SPACE = tuple(
                             (256, 64, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 32, 4, 3), (32, 32, 32, 4, 2),
                             (128, 256, 64, 8, 3)]
 )
+WGRAD_SPLITS = (1, 4, 16, 64)
 WGRAD_SPACE = tuple(
     {"block_p": p, "block_m": m, "block_n": n, "split": s, "num_warps": nw, "num_stages": 3}
     for (p, m, n, nw), s in itertools.product(
-        [(64, 32, 32, 4), (64, 64, 64, 4), (128, 64, 64, 8), (32, 128, 128, 8)], [1, 4, 16, 64])
+        [(64, 32, 32, 4), (64, 64, 64, 4), (128, 64, 64, 8), (32, 128, 128, 8),
+         # 128 x 256: at 256 channels each pair's input row is read by 2 column tiles and its
+         # gradient row by 1, instead of 4 and 4 with the 64 x 64 tile.
+         (32, 128, 256, 8), (64, 128, 256, 8)], WGRAD_SPLITS)
 )
 
 
@@ -96,7 +100,9 @@ def wgrad_pool(problem: ConvProblem, level: str) -> list[Mapping]:
     pairs_per_offset = max(problem.num_in, problem.num_out)
     split = 64 if pairs_per_offset > 200_000 else 16 if pairs_per_offset > 20_000 else 4
     tile = 2 if max(problem.in_channels, problem.out_channels) > 64 else 1
-    auto = [WGRAD_SPACE[tile * 4 + [1, 4, 16, 64].index(split)], WGRAD_SPACE[tile * 4 + 1]]
+    auto = [WGRAD_SPACE[tile * 4 + WGRAD_SPLITS.index(split)], WGRAD_SPACE[tile * 4 + 1]]
+    if problem.in_channels >= 128 and problem.out_channels >= 256:
+        auto += [WGRAD_SPACE[wide * 4 + WGRAD_SPLITS.index(s)] for wide in (4, 5) for s in (4, 16)]
     return tk.pool_on(problem, level, WGRAD_SPACE, auto)
 
 
