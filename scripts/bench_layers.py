@@ -50,9 +50,14 @@ FAMILIES = {
 LAYERS = {"subm3": (3, 1, False), "down2": (2, 2, False), "up2": (2, 2, True)}
 
 
+CALLS_PER_SAMPLE = 1  # --calls
+
+
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` with the tuner's timer (CUDA events; perf_counter for --device cpu dry runs)."""
-    return Timer(DEVICE, TimingPlan(warmup=warmup, repeats=repeats, flush_l2=False)).median(fn)[0]
+    """Median milliseconds of ``fn`` with the tuner's timer (CUDA events; perf_counter for --device cpu dry runs),
+    a sample being the mean of CALLS_PER_SAMPLE back-to-back calls."""
+    plan = TimingPlan(warmup=warmup, repeats=repeats, flush_l2=False, calls=CALLS_PER_SAMPLE)
+    return Timer(DEVICE, plan).median(fn)[0]
 
 
 def ceilings() -> tuple[float, float]:
@@ -201,18 +206,22 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
     parser.add_argument("--profile", action="store_true", help="profile one cell's forward+backward (torch.profiler) first")
     parser.add_argument("--log", action="store_true", help="log the tuner's sweeps and disqualifications to stderr")
+    parser.add_argument("--calls", type=int, default=1,
+                        help="back-to-back calls per timed sample (1: each call alone on an idle GPU, its host "
+                             "time in full; more: the steady state of a loop, where host work hides behind kernels)")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES),
                         help="families to tune and time on their own (none: only the overall choice; faster)")
     args = parser.parse_args()
     if args.log:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    global DEVICE
+    global DEVICE, CALLS_PER_SAMPLE
     DEVICE = torch.device(args.device)
+    CALLS_PER_SAMPLE = args.calls
     os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
     peak_tflops, bandwidth_gbs = ceilings() if DEVICE.type == "cuda" else (float("nan"), float("nan"))
     name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
     print(f"device: {name}; measured bf16 matmul {peak_tflops:.0f} TFLOP/s, "
-          f"copy {bandwidth_gbs:.0f} GB/s; median of {args.repeats} (ms), kernel maps cached")
+          f"copy {bandwidth_gbs:.0f} GB/s; median of {args.repeats} samples of {args.calls} call(s) (ms), kernel maps cached")
     if args.profile:
         profile_cell(args)
     anchors = {name: import_anchor(name) if DEVICE.type == "cuda" else "n/a (cpu)" for name in ("spconv", "spconv_triton")}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -40,7 +41,7 @@ from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.data import make_scene
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.conv import SparseConvFunction, _problem
+from sparseconv.ops.conv import AlgoPins, SparseConvFunction, _problem
 from sparseconv.ops.dispatch import dispatch
 
 SLEEP_CYCLES = 20_000_000  # ~10 ms of queued GPU work on an H100/H200
@@ -164,6 +165,12 @@ def backward_rows(args, x: SparseTensor, weight, kernel_map, problem, coords, fe
             x.replace(leaf_feats), leaf_weight, **layer).feats.backward(grad_out),
         "forward+backward, autograd.grad (no leaf accumulation)": lambda: torch.autograd.grad(
             sparse_conv3d(x.replace(leaf_feats), leaf_weight, **layer).feats, (leaf_feats, leaf_weight), grad_out),
+        "forward+backward, SparseConvFunction.apply on raw tensors": lambda: SparseConvFunction.apply(
+            leaf_feats, leaf_weight, kernel_map, problem, AlgoPins(), None).sum().backward(),
+        "forward+backward, gc disabled": lambda: _without_gc(lambda: sparse_conv3d(
+            x.replace(leaf_feats), leaf_weight, **layer).feats.sum().backward()),
+        "forward+backward, autograd multithreading off": lambda: _single_threaded(lambda: sparse_conv3d(
+            x.replace(leaf_feats), leaf_weight, **layer).feats.sum().backward()),
         "dense torch Linear on the output rows, forward+backward": lambda: dense(
             torch.empty(kernel_map.num_out, weight.shape[1], device=weight.device, dtype=weight.dtype).requires_grad_()
         ).sum().backward(),
@@ -185,6 +192,20 @@ def backward_rows(args, x: SparseTensor, weight, kernel_map, problem, coords, fe
     if args.profile:
         profile_backward(lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **layer).feats.sum().backward(),
                          args.profile)
+
+
+def _without_gc(call) -> None:
+    gc.disable()
+    try:
+        call()
+    finally:
+        gc.enable()
+
+
+def _single_threaded(call) -> None:
+    """Backward on the calling thread instead of autograd's device thread."""
+    with torch.autograd.set_multithreading_enabled(False):
+        call()
 
 
 class _MatMul(torch.autograd.Function):

@@ -21,13 +21,20 @@ CLOSE = 0.05
 @dataclass(frozen=True)
 class TimingPlan:
     """``repeats`` samples after ``warmup`` runs, but no more than ``budget_ms`` of timed runs
-    per candidate (estimated from the warm-up) and never fewer than ``min_repeats``."""
+    per candidate (estimated from the warm-up) and never fewer than ``min_repeats``. A sample
+    is the mean of ``calls`` back-to-back calls (one L2 flush before them): with more than one,
+    a call's host work overlaps the previous call's kernels, as in a loop that never waits."""
 
     warmup: int
     repeats: int
     flush_l2: bool
     min_repeats: int = 3
     budget_ms: float = float("inf")
+    calls: int = 1
+
+    def __post_init__(self) -> None:
+        if self.calls < 1:
+            raise ValueError(f"calls must be >= 1, got {self.calls}")
 
 
 def plan_for(device: torch.device) -> TimingPlan:
@@ -55,18 +62,22 @@ class Timer:
         self._flush_buffer.zero_()
 
     def once(self, fn: Callable[[], object]) -> float:
+        """Milliseconds per call of one sample (``plan.calls`` back-to-back calls)."""
         self._flush()
+        calls = self.plan.calls
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(calls):
+                fn()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end)
+            return start.elapsed_time(end) / calls
         begin = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - begin)
+        for _ in range(calls):
+            fn()
+        return 1e3 * (time.perf_counter() - begin) / calls
 
     def median(self, fn: Callable[[], object], warmup: int | None = None, repeats: int | None = None) -> tuple[float, int]:
         """(median ms, samples) after warm-up; the sample count follows the plan's budget."""

@@ -102,3 +102,20 @@ def test_key_holds_bucketed_sizes_channels_geometry_dtype_and_device():
 def test_buckets_are_half_octaves():
     assert size_bucket(1024) == 20 and size_bucket(1100) == 20 and size_bucket(1500) == 21 and size_bucket(0) == -1
     assert density_bucket(1, 1) == 0 and density_bucket(1, 4) == 4 and density_bucket(0, 10) == 20
+
+
+def test_a_timing_sample_is_the_mean_of_its_back_to_back_calls():
+    from sparseconv.tune.timing import Timer, TimingPlan
+
+    calls = []
+    delays = iter([0.0, 0.03, 0.0, 0.03, 0.0, 0.03])  # per sample: one fast call, one slow
+
+    def fn():
+        calls.append(1)
+        time.sleep(next(delays))
+
+    ms, samples = Timer(torch.device("cpu"), TimingPlan(warmup=0, repeats=3, flush_l2=False, calls=2)).median(fn)
+    assert samples == 3 and len(calls) == 6
+    assert 13.0 <= ms < 30.0  # (0 + 30 ms) / 2 per call, not the slow call alone nor the sum
+    with pytest.raises(ValueError, match="calls must be >= 1"):
+        TimingPlan(warmup=0, repeats=1, flush_l2=False, calls=0)
