@@ -79,6 +79,9 @@ def main() -> None:
                         help="peer libraries whose forward call is timed the same way (none: skip)")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
                         help="also profile CALLS host calls per backend (cProfile, GPU kept busy) and print the top functions")
+    parser.add_argument("--launch", action="store_true",
+                        help="time one Triton launch of the mask kernel: through triton.jit's launcher, through the "
+                             "compiled kernel it returns, beside a torch op and the whole pinned product")
     parser.add_argument("--backward", action="store_true",
                         help="time the tuned layer's backward products, backward and forward+backward instead")
     args = parser.parse_args()
@@ -97,6 +100,8 @@ def main() -> None:
     problem = _problem(kernel_map, c, c, shape, step, (1, 1, 1), transposed, False, dtype, device)
     if args.backward:
         return backward_rows(args, x, weight, kernel_map, problem, coords.to(device), feats)
+    if args.launch:
+        return launch_rows(args, x, weight, kernel_map, problem)
     print(f"{torch.cuda.get_device_name()}: {args.scene} {args.dtype} C={c} {args.layer} forward, "
           f"{kernel_map.num_in}->{kernel_map.num_out} rows, {kernel_map.num_pairs} pairs; median of {args.repeats} (ms)")
     print("backend | host | events, idle GPU | events, host hidden")
@@ -220,6 +225,45 @@ class _MatMul(torch.autograd.Function):
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         return grad @ b.t(), a.t() @ grad
+
+
+def launch_rows(args, x: SparseTensor, weight, kernel_map, problem) -> None:
+    """Host cost of one rows_gemm launch (mask_implicit_gemm's first tile, forward) by launch path."""
+    from sparseconv.ops.backends import mask_triton
+    from sparseconv.ops.backends import triton_kernels as tk
+
+    params = mask_triton.SPACE[0]
+    kernels = tk.kernels()
+    bm, bn, bk = params["block_m"], params["block_n"], params["block_k"]
+    a, w = x.feats.contiguous(), weight.contiguous()
+    c_in, c_out = w.shape[1], w.shape[2]
+    table = mask_triton.product_table(kernel_map, True)
+    rows = mask_triton.sorted_rows(kernel_map, True, True)
+    offsets, counts = mask_triton.active_lists(kernel_map, True, True, bm)
+    slots, starts = mask_triton.tile_slots(kernel_map, True, True, bm)
+    out = torch.empty(table.shape[0], c_out, device=a.device, dtype=a.dtype)
+    grid = (counts.numel() * kernels.triton.cdiv(c_out, bn),)
+    grid3 = (*grid, 1, 1)  # the compiled kernel's launcher takes all three dimensions
+    runtime = (a, w, slots, starts, rows, offsets, counts, out, table.shape[0], c_in, c_out, offsets.shape[1],
+               c_in * c_out, c_out, 1)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=tk.precision(a.dtype), ACCUMULATE=False)
+    options = tk.launch_options(params)
+    compiled = kernels.rows_gemm[grid](*runtime, **meta, **options)
+    constexprs = list(meta.values())  # rows_gemm's last five parameters, in this order
+    reference = out.clone()
+    out.fill_(float("nan"))
+    compiled[grid3](*runtime, *constexprs)
+    print(f"compiled-kernel launch equals the jit launch: {bool(torch.equal(out, reference))}")
+    print(f"{torch.cuda.get_device_name()}: {args.scene} {args.dtype} C={args.channels} {args.layer}, rows_gemm "
+          f"{params}; median of {args.repeats} (ms)")
+    print("call | host | events, idle GPU | events, host hidden")
+    time_rows({
+        "rows_gemm: triton.jit launcher, kernel[grid](...)": lambda: kernels.rows_gemm[grid](*runtime, **meta, **options),
+        "rows_gemm: the CompiledKernel it returned, compiled[grid](...)": lambda: compiled[grid3](*runtime, *constexprs),
+        "torch: out.add_(1)": lambda: out.add_(1),
+        "the product: dispatch pinned to mask_implicit_gemm": lambda: dispatch(
+            "AB_gather_scatter", problem, "mask_implicit_gemm", a, w, kernel_map),
+    }, args.repeats, args.profile)
 
 
 def profile_backward(call, calls: int) -> None:
