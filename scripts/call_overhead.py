@@ -113,17 +113,26 @@ def main() -> None:
         "AB_gather_scatter", problem, None, x.feats, weight, kernel_map)
     calls[f"sparse_conv3d, tuned: {record.get('AB_gather_scatter')}"] = lambda: sparse_conv3d(
         x, weight, kernel_size=kernel, stride=stride, transposed=transposed)
+    add_anchors(calls, args, coords.to(device), feats, backward=False)
+    time_rows(calls, args.repeats, args.profile)
+
+
+def add_anchors(calls: dict, args, coords, feats, backward: bool) -> None:
+    """A row per peer library in ``args.anchors``: its forward, or its forward+backward."""
     for anchor in args.anchors:
         spc = import_anchor(anchor)
         if isinstance(spc, str):
             print(f"{anchor} | {spc}")
             continue
         try:
-            conv, anchor_x, _ = anchor_layer(spc, args.layer, coords.to(device), feats, c, dtype)
-            calls[anchor] = lambda conv=conv, anchor_x=anchor_x: conv(anchor_x)
+            conv, x, x_leaf = anchor_layer(spc, args.layer, coords, feats, args.channels, feats.dtype)
         except Exception as error:  # noqa: BLE001 - a peer missing here, or without this dtype
             print(f"{anchor} | n/a ({type(error).__name__}: {error})"[:300])
-    time_rows(calls, args.repeats, args.profile)
+            continue
+        if backward:
+            calls[f"{anchor} forward+backward"] = lambda conv=conv, leaf=x_leaf: conv(leaf).features.sum().backward()
+        else:
+            calls[anchor] = lambda conv=conv, x=x: conv(x)
 
 
 def time_rows(calls: dict, repeats: int, profile: int = 0) -> None:
@@ -147,7 +156,7 @@ def time_rows(calls: dict, repeats: int, profile: int = 0) -> None:
 def backward_rows(args, x: SparseTensor, weight, kernel_map, problem, coords, feats) -> None:
     """The backward's rows (see the module docstring), then optionally where its host time goes."""
     kernel, stride, transposed = LAYERS[args.layer]
-    layer = dict(kernel_size=kernel, stride=stride, transposed=transposed)
+    layer = {"kernel_size": kernel, "stride": stride, "transposed": transposed}
     leaf_feats = x.feats.clone().requires_grad_()
     leaf_weight = weight.clone().requires_grad_()
     record: dict[str, str] = {}
@@ -183,16 +192,7 @@ def backward_rows(args, x: SparseTensor, weight, kernel_map, problem, coords, fe
             torch.empty(kernel_map.num_out, weight.shape[1], device=weight.device, dtype=weight.dtype).requires_grad_(),
             leaf_weight[0]).sum().backward(),
     }
-    for anchor in args.anchors:
-        spc = import_anchor(anchor)
-        if isinstance(spc, str):
-            print(f"{anchor} | {spc}")
-            continue
-        try:
-            conv, _, anchor_leaf = anchor_layer(spc, args.layer, coords, feats, args.channels, weight.dtype)
-            calls[f"{anchor} forward+backward"] = lambda conv=conv, leaf=anchor_leaf: conv(leaf).features.sum().backward()
-        except Exception as error:  # noqa: BLE001 - a peer missing here, or without this dtype
-            print(f"{anchor} | n/a ({type(error).__name__}: {error})"[:300])
+    add_anchors(calls, args, coords, feats, backward=True)
     time_rows(calls, args.repeats)
     if args.profile:
         profile_backward(lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, **layer).feats.sum().backward(),
@@ -246,7 +246,7 @@ def launch_rows(args, x: SparseTensor, weight, kernel_map, problem) -> None:
     grid3 = (*grid, 1, 1)  # the compiled kernel's launcher takes all three dimensions
     runtime = (a, w, slots, starts, rows, offsets, counts, out, table.shape[0], c_in, c_out, offsets.shape[1],
                c_in * c_out, c_out, 1)
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=tk.precision(a.dtype), ACCUMULATE=False)
+    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": tk.precision(a.dtype), "ACCUMULATE": False}
     options = tk.launch_options(params)
     compiled = kernels.rows_gemm[grid](*runtime, **meta, **options)
     constexprs = list(meta.values())  # rows_gemm's last five parameters, in this order
