@@ -146,6 +146,27 @@ def test_every_wgrad_tile_matches_explicit_gemm(params, device):
         assert relative_error(out, ref) < TOLERANCE[torch.float16], f"{mode}"
 
 
+@pytest.mark.gpu
+def test_features_at_any_alignment_and_channel_count_in_any_order(poisoned_outputs):
+    """Triton compiles a kernel per specialisation (16-byte aligned pointers, integers divisible by
+    16) and reuses it: features at a 2-byte offset and channel counts not divisible by 16, each
+    after the other kind, must still be right."""
+    mode = CASES[0]
+    backend = get("mask_implicit_gemm")
+    for c_in, c_out, shift in [(48, 32, 0), (48, 32, 1), (40, 24, 1), (40, 24, 0)] * 2:
+        x = make_input(mode, c_in, "cuda", dtype=torch.float16, n=4000, extent=30)
+        key = KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False)
+        kernel_map, _ = x.cache.kernel_map(key)
+        storage = torch.empty(x.feats.numel() + 8, device="cuda", dtype=torch.float16)
+        feats = storage[shift: shift + x.feats.numel()].view_as(x.feats).copy_(x.feats)
+        assert (feats.data_ptr() % 16 == 0) == (shift == 0)
+        weight = torch.randn(27, c_in, c_out, device="cuda", dtype=torch.float16) / c_in ** 0.5
+        problem = _problem(x, kernel_map, c_in, c_out, torch.float16, mode)
+        out = backend.run("AB_gather_scatter", problem, backend.params_space[0], feats, weight, kernel_map)
+        ref = explicit.run("AB_gather_scatter", problem, {}, feats.double(), weight.double(), kernel_map)
+        assert relative_error(out, ref) < TOLERANCE[torch.float16], (c_in, c_out, shift)
+
+
 @pytest.mark.parametrize("channels", [32, 96, 256])
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_each_wider_pool_level_contains_the_narrower(name, channels):
