@@ -22,11 +22,6 @@ from sparseconv.data import make_scene
 from sparseconv.ops.backends import mask_triton
 
 
-def lexicographic(present: torch.Tensor, bit_order: torch.Tensor) -> torch.Tensor:
-    weights = torch.pow(2, torch.arange(len(bit_order) - 1, -1, -1, dtype=torch.int64))
-    return torch.argsort((present[:, bit_order].long() * weights).sum(1), stable=True)
-
-
 def morton(coords: torch.Tensor) -> torch.Tensor:
     """Batch, then the Z-order of x, y, z: spatial neighbours next to each other."""
     xyz = coords[:, 1:].long() - coords[:, 1:].long().amin(0)
@@ -45,7 +40,7 @@ def compare_orders(coords: torch.Tensor, table: torch.Tensor, block_ms: list[int
     rarest = torch.argsort(present.sum(0), stable=True)
     popcount_major = torch.argsort(present.sum(1).long() << 32 | shipped.argsort(), stable=True)
     orders = {"rarest offset first (shipped)": shipped,
-              "commonest offset first": lexicographic(present, rarest.flip(0)),
+              "commonest offset first": mask_triton.bitmask_order(present, rarest.flip(0)),
               "neighbour count, then shipped": popcount_major,
               "Morton (spatial)": morton(coords), "none (coordinate order)": torch.arange(len(present))}
     pairs, width = int(present.sum()), present.shape[1]

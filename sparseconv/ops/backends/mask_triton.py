@@ -78,9 +78,14 @@ def row_order(table: torch.Tensor, sort: bool) -> torch.Tensor:
     if not sort or n == 0:
         return torch.arange(n, dtype=torch.int32, device=table.device)
     present = table >= 0
-    rarest = torch.argsort(present.sum(0), stable=True)[:63]
-    weights = torch.pow(2, torch.arange(len(rarest) - 1, -1, -1, device=table.device, dtype=torch.int64))
-    return torch.argsort((present[:, rarest].to(torch.int64) * weights).sum(1), stable=True).to(torch.int32)
+    return bitmask_order(present, torch.argsort(present.sum(0), stable=True)[:63]).to(torch.int32)
+
+
+def bitmask_order(present: torch.Tensor, bit_order: torch.Tensor) -> torch.Tensor:
+    """(N,) int64 order of the rows of ``present`` (N, offsets) bool by their bitmask over the
+    offsets ``bit_order`` (at most 63), the first one most significant; ties in row order."""
+    weights = torch.pow(2, torch.arange(len(bit_order) - 1, -1, -1, device=present.device, dtype=torch.int64))
+    return torch.argsort((present[:, bit_order].to(torch.int64) * weights).sum(1), stable=True)
 
 
 def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
