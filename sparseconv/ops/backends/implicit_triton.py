@@ -100,13 +100,18 @@ def wgrad_pool(problem: ConvProblem, level: str) -> list[Mapping]:
     pairs_per_offset = max(problem.num_in, problem.num_out)
     split = 64 if pairs_per_offset > 200_000 else 16 if pairs_per_offset > 20_000 else 4
     tile = 2 if max(problem.in_channels, problem.out_channels) > 64 else 1
-    auto = [WGRAD_SPACE[tile * 4 + WGRAD_SPLITS.index(split)], WGRAD_SPACE[tile * 4 + 1]]
+    auto = [_wgrad_params(tile, split), _wgrad_params(tile, 4)]
     if problem.in_channels >= 128 and problem.out_channels >= 256:
         # H200, street4 fp16 C = 256 up2 (tuner timings, L2 flushed): 0.257 ms against 0.292 for
         # the best narrow tile and 0.246 for cutlass_splitk_wgrad; at split 4 and with 32 pairs a
         # step it took 0.31-0.51 ms, so only this one is in the auto pool.
-        auto.append(WGRAD_SPACE[5 * 4 + WGRAD_SPLITS.index(16)])
+        auto.append(_wgrad_params(5, 16))
     return tk.pool_on(problem, level, WGRAD_SPACE, auto)
+
+
+def _wgrad_params(tile: int, split: int) -> Mapping:
+    """The WGRAD_SPACE set of tile ``tile`` (its tile list's index) at ``split``."""
+    return WGRAD_SPACE[tile * len(WGRAD_SPLITS) + WGRAD_SPLITS.index(split)]
 
 
 IMPLICIT_GEMM = register(
