@@ -31,6 +31,14 @@ def _problem(x, kernel_map, c_in, c_out, dtype, mode) -> ConvProblem:
                        (1, 1, 1), mode.transposed, mode.generative, dtype, x.device)
 
 
+def _input_and_map(mode, channels: int, device, dtype, n: int, extent: int):
+    """(input SparseTensor, its kernel map for ``mode``)."""
+    x = make_input(mode, channels, device, dtype=dtype, n=n, extent=extent)
+    size = mode.kernel_size if isinstance(mode.kernel_size, tuple) else (mode.kernel_size,) * 3
+    key = KernelMapKey(x.coord_id, size, (mode.stride,) * 3, (1, 1, 1), mode.transposed, mode.generative)
+    return x, x.cache.kernel_map(key)[0]
+
+
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(mask_triton, "new_output",
@@ -45,11 +53,8 @@ def test_triton_backends_match_explicit_gemm(mode, channels, dtype, device, pois
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("Triton's interpreter computes in numpy, which has no bfloat16 (GPU only)")
     c_in, c_out = channels
-    n = 40 if device == "cpu" else 4000
-    x = make_input(mode, c_in, device, dtype=dtype, n=n, extent=6 if device == "cpu" else 30)
-    key = KernelMapKey(x.coord_id, mode.kernel_size if isinstance(mode.kernel_size, tuple) else (mode.kernel_size,) * 3,
-                       (mode.stride,) * 3, (1, 1, 1), mode.transposed, mode.generative)
-    kernel_map, _ = x.cache.kernel_map(key)
+    x, kernel_map = _input_and_map(mode, c_in, device, dtype, n=40 if device == "cpu" else 4000,
+                                   extent=6 if device == "cpu" else 30)
     weight = torch.randn(kernel_map.kernel_volume, c_in, c_out, device=device, dtype=dtype) / c_in ** 0.5
     grad_out = torch.randn(kernel_map.num_out, c_out, device=device, dtype=dtype)
     operands = {
@@ -83,11 +88,8 @@ def _check_tile(name: str, params: dict, second_mode: str, device) -> None:
     on the submanifold map and on ``second_mode``'s."""
     backend = get(name)
     for mode in (CASES[0], next(m for m in CASES if m.name == second_mode)):
-        n = 60 if device == "cpu" else 6000
-        x = make_input(mode, 96, device, dtype=torch.float16, n=n, extent=7 if device == "cpu" else 40)
-        key = KernelMapKey(x.coord_id, (mode.kernel_size,) * 3, (mode.stride,) * 3, (1, 1, 1), mode.transposed,
-                           mode.generative)
-        kernel_map, _ = x.cache.kernel_map(key)
+        x, kernel_map = _input_and_map(mode, 96, device, torch.float16, n=60 if device == "cpu" else 6000,
+                                       extent=7 if device == "cpu" else 40)
         weight = torch.randn(kernel_map.kernel_volume, 96, 40, device=device, dtype=torch.float16) / 96 ** 0.5
         grad_out = torch.randn(kernel_map.num_out, 40, device=device, dtype=torch.float16)
         problem = _problem(x, kernel_map, 96, 40, torch.float16, mode)
@@ -133,11 +135,8 @@ def test_every_wgrad_tile_matches_explicit_gemm(params, device):
         pytest.skip("the interpreter runs the 256-column tiles at split 4 (the others run above); the GPU all")
     backend = get("splitk_wgrad")
     for mode in (CASES[0], next(m for m in CASES if m.name == "transposed_k2_s2")):
-        x = make_input(mode, 72, device, dtype=torch.float16, n=60 if device == "cpu" else 6000,
-                       extent=7 if device == "cpu" else 40)
-        key = KernelMapKey(x.coord_id, (mode.kernel_size,) * 3, (mode.stride,) * 3, (1, 1, 1), mode.transposed,
-                           mode.generative)
-        kernel_map, _ = x.cache.kernel_map(key)
+        x, kernel_map = _input_and_map(mode, 72, device, torch.float16, n=60 if device == "cpu" else 6000,
+                                       extent=7 if device == "cpu" else 40)
         grad_out = torch.randn(kernel_map.num_out, 264, device=device, dtype=torch.float16)
         problem = _problem(x, kernel_map, 72, 264, torch.float16, mode)
         out = backend.run("AtB_gather_gather", problem, params, x.feats, grad_out, kernel_map)
@@ -154,9 +153,7 @@ def test_features_at_any_alignment_and_channel_count_in_any_order(poisoned_outpu
     mode = CASES[0]
     backend = get("mask_implicit_gemm")
     for c_in, c_out, shift in [(48, 32, 0), (48, 32, 1), (40, 24, 1), (40, 24, 0)] * 2:
-        x = make_input(mode, c_in, "cuda", dtype=torch.float16, n=4000, extent=30)
-        key = KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False)
-        kernel_map, _ = x.cache.kernel_map(key)
+        x, kernel_map = _input_and_map(mode, c_in, "cuda", torch.float16, n=4000, extent=30)
         storage = torch.empty(x.feats.numel() + 8, device="cuda", dtype=torch.float16)
         feats = storage[shift: shift + x.feats.numel()].view_as(x.feats).copy_(x.feats)
         assert (feats.data_ptr() % 16 == 0) == (shift == 0)
