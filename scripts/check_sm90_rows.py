@@ -15,6 +15,7 @@ by sparseconv; the checkout is put on sys.path, so sparseconv need not be instal
 
     python scripts/check_sm90_rows.py
     python scripts/check_sm90_rows.py --dry-run   # CPU only: problem, tables, reference, emulation
+    python scripts/check_sm90_rows.py --scene street4 --groups 1 2 3   # a benchmark scene, offset groups
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \
         python scripts/check_sm90_rows.py --profile-tile 128 256   # one bf16 C=256 forward launch
 
@@ -78,13 +79,32 @@ def neighbour_table(coords: torch.Tensor) -> torch.Tensor:
     return torch.where(found, rows[where], torch.full_like(where, -1)).to(torch.int32)
 
 
-class Prepared:
-    """The kernel's arguments for one product and tile height: table (K, rows) int32 with the zero
-    row ``sources`` for "none", order (rows,) int32, active (tiles, K) int32, count (tiles,) int32."""
+def scene_voxels(name: str) -> torch.Tensor:
+    """(N, 3) int64 unique voxels of a benchmark scene (scripts/bench_layers.py SCENES), its
+    batches side by side along x so that the torch neighbour table sees one grid."""
+    from bench_layers import SCENES
 
-    def __init__(self, kernel_map: KernelMap, forward: bool, block_m: int) -> None:
-        self.table, self.order, self.sources = cutlass_gemm.gather_table(kernel_map, forward)
-        self.active, self.count = mask_triton.active_lists(kernel_map, forward, True, block_m)
+    from sparseconv.data import make_scene
+
+    kind, voxel, batch, scale = SCENES[name]
+    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
+    coords = coords.to(torch.int64)
+    xyz = coords[:, 1:] - coords[:, 1:].amin(0)
+    xyz[:, 0] += coords[:, 0] * (int(xyz[:, 0].max()) + 3)
+    return xyz
+
+
+class Prepared:
+    """The kernel's arguments for one product, tile height and offset group [lo, hi) (default all):
+    table (hi - lo, rows) int32 with the zero row ``sources`` for "none", order (rows,) int32,
+    active (tiles, hi - lo) int32 counted from lo, count (tiles,) int32."""
+
+    def __init__(self, kernel_map: KernelMap, forward: bool, block_m: int,
+                 group: tuple[int, int] | None = None) -> None:
+        self.group = group or (0, kernel_map.kernel_volume)
+        self.table, self.order, self.sources = cutlass_gemm.gather_table(kernel_map, forward, self.group)
+        active, self.count = mask_triton.active_lists(kernel_map, forward, True, block_m, self.group)
+        self.active = (active - self.group[0]).contiguous()
         self.block_m = block_m
         self.rows = self.table.shape[1]
 
@@ -106,8 +126,8 @@ def reference(a: torch.Tensor, w: torch.Tensor, nbr: torch.Tensor, forward: bool
 
 def emulate(source: torch.Tensor, w: torch.Tensor, prep: Prepared, forward: bool) -> torch.Tensor:
     """What the kernel computes from its arguments, in float32 torch: every slot sums only the
-    offsets listed for its tile, and lands on row order[slot]."""
-    rows, kernel_volume = prep.rows, prep.table.shape[0]
+    offsets of the group listed for its tile, and lands on row order[slot]."""
+    rows, kernel_volume, lo = prep.rows, prep.table.shape[0], prep.group[0]
     tiles = prep.count.numel()
     listed = torch.zeros(tiles, kernel_volume, dtype=torch.bool, device=source.device)
     slots = torch.arange(prep.active.shape[1], device=source.device)[None] < prep.count[:, None]
@@ -117,7 +137,7 @@ def emulate(source: torch.Tensor, w: torch.Tensor, prep: Prepared, forward: bool
     acc = torch.zeros(rows, w.shape[2] if forward else w.shape[1], device=source.device)
     for k in range(kernel_volume):
         sel = listed[tile_of, k]
-        b_k = wf[k] if forward else wf[k].t()
+        b_k = wf[lo + k] if forward else wf[lo + k].t()
         acc[sel] += src[prep.table[k, sel].long()] @ b_k
     out = torch.empty_like(acc)
     out[prep.order.long()] = acc
@@ -163,17 +183,17 @@ def dry_run() -> int:
         for forward in (True, False):
             a = ops["x"] if forward else ops["grad"]
             ref = reference(a, ops["w"], nbr, forward)
-            for block_m in (64, 128):
-                prep = Prepared(kernel_map, forward, block_m)
-                source = torch.cat([a, a.new_zeros(1, a.shape[1])])
-                used = prep.table != prep.sources
-                covered = all(set(torch.nonzero(used[:, t * block_m:(t + 1) * block_m].any(1)).flatten().tolist())
-                              <= set(prep.active[t, : prep.count[t]].tolist()) for t in range(prep.count.numel()))
-                error = relative_error(emulate(source, ops["w"], prep, forward), ref)
-                good = covered and error < 1e-5 and sorted(prep.order.tolist()) == list(range(prep.rows))
+            source = torch.cat([a, a.new_zeros(1, a.shape[1])])
+            for block_m, groups in ((64, 1), (128, 1), (128, 2)):
+                preps = [Prepared(kernel_map, forward, block_m, g) for g in mask_triton.offset_groups(27, groups)]
+                covered = all(
+                    set(torch.nonzero((p.table != p.sources)[:, t * block_m:(t + 1) * block_m].any(1)).flatten().tolist())
+                    <= set(p.active[t, : p.count[t]].tolist()) for p in preps for t in range(p.count.numel()))
+                error = relative_error(sum(emulate(source, ops["w"], p, forward) for p in preps), ref)
+                good = covered and error < 1e-5 and all(sorted(p.order.tolist()) == list(range(p.rows)) for p in preps)
                 failures += not good
                 print(f"{'PASS' if good else 'FAIL'} emulated {'ab ' if forward else 'abt'} BM={block_m} "
-                      f"C={c_in}->{c_out}: error {error:.1e}, lists cover the table: {covered}")
+                      f"{groups} group(s) C={c_in}->{c_out}: error {error:.1e}, lists cover the table: {covered}")
     print(f"dry run: {failures} failures")
     return failures
 
@@ -188,19 +208,24 @@ def load(path: Path, device_index: int) -> dict:
         return cutlass_sm90.kernels_of(cupy.RawModule(path=str(path)), device_index)
 
 
-def run_kernel(kernels: dict, forward: bool, variant: dict, prep: Prepared, source: torch.Tensor,
+def run_kernel(kernels: dict, forward: bool, variant: dict, preps: Prepared | list[Prepared], source: torch.Tensor,
                w: torch.Tensor, out: torch.Tensor, accumulate: bool, persistent: bool = True) -> None:
-    """Pack W for the variant (timed with the product: a layer packs on every call), then multiply;
+    """Pack W for the variant (timed with the product: a layer packs on every call), then multiply,
+    one launch per offset group of ``preps`` (the later ones add, as cutlass_sm90._rows does);
     persistent = False launches a block per tile instead (the kernel takes any grid)."""
+    preps = [preps] if isinstance(preps, Prepared) else preps
     rows, cols = out.shape
     reduce = source.shape[1]
-    packed, counters, pack = cutlass_sm90.pack_launch(kernels, forward, variant, w, reduce, cols, 1)
-    tiles = math.ceil(rows / prep.block_m) * math.ceil(cols / variant["SC_TB_N"])
-    args = (source, packed, prep.table, prep.order, prep.active, prep.count, out, rows, reduce, cols,
-            prep.sources, prep.active.shape[1], int(accumulate), counters)
-    grid = cutlass_sm90.grid(tiles, out.device.index) if persistent else (tiles, 1, 1)
-    product = (kernels[cutlass_sm90.KERNELS[0 if forward else 1]], grid, args)
-    cutlass_gemm._launch_all(out.device, [pack, product])
+    packed, counters, pack = cutlass_sm90.pack_launch(kernels, forward, variant, w, reduce, cols, len(preps))
+    per_offset = packed.numel() // w.shape[0]
+    launches = [pack]
+    for step, prep in enumerate(preps):
+        tiles = math.ceil(rows / prep.block_m) * math.ceil(cols / variant["SC_TB_N"])
+        args = (source, packed[prep.group[0] * per_offset:], prep.table, prep.order, prep.active, prep.count, out,
+                rows, reduce, cols, prep.sources, prep.active.shape[1], int(accumulate or step > 0), counters[step:])
+        grid = cutlass_sm90.grid(tiles, out.device.index) if persistent else (tiles, 1, 1)
+        launches.append((kernels[cutlass_sm90.KERNELS[0 if forward else 1]], grid, args))
+    cutlass_gemm._launch_all(out.device, launches)
 
 
 class Watchdog:
@@ -268,7 +293,7 @@ def gpu(args) -> int:
     started = time.perf_counter()
     futures = [cuda_jit.compile_async(cutlass_sm90.SOURCE, v, cutlass_sm90.ARCH) for v in variants]
 
-    coords = surface_voxels(args.side, 0.85).to(device)
+    coords = (scene_voxels(args.scene) if args.scene else surface_voxels(args.side, 0.85)).to(device)
     nbr = neighbour_table(coords)
     num_pairs = int((nbr >= 0).sum())
     kernel_map = KernelMap(nbr, nbr.shape[0], (3, 3, 3))
@@ -298,16 +323,19 @@ def gpu(args) -> int:
     if args.profile_tile:
         return profile_launch(kernels, kernel_map, nbr, device)
 
-    prepared: dict[tuple[bool, int], Prepared] = {}
+    prepared: dict[tuple[bool, int, tuple[int, int]], Prepared] = {}
     inputs: dict[tuple, dict] = {}
     references: dict[tuple, torch.Tensor] = {}
 
-    def case(variant, ks, forward: bool, c_in: int, c_out: int, accumulate: bool) -> bool:
+    def preps_of(forward: bool, block_m: int, groups: int) -> list[Prepared]:
+        for group in mask_triton.offset_groups(kernel_map.kernel_volume, groups):
+            if (forward, block_m, group) not in prepared:
+                prepared[(forward, block_m, group)] = Prepared(kernel_map, forward, block_m, group)
+        return [prepared[(forward, block_m, g)] for g in mask_triton.offset_groups(kernel_map.kernel_volume, groups)]
+
+    def case(variant, ks, forward: bool, c_in: int, c_out: int, accumulate: bool, groups: int = 1) -> bool:
         dtype = DTYPES[variant["SC_ELEMENT"]]
-        block_m = 64 * variant["SC_CONSUMERS"]
-        if (forward, block_m) not in prepared:
-            prepared[(forward, block_m)] = Prepared(kernel_map, forward, block_m)
-        prep = prepared[(forward, block_m)]
+        prep = preps_of(forward, 64 * variant["SC_CONSUMERS"], groups)
         if (dtype, c_in, c_out) not in inputs:
             inputs[(dtype, c_in, c_out)] = operands(nbr, c_in, c_out, dtype, device)
         ops = inputs[(dtype, c_in, c_out)]
@@ -329,18 +357,20 @@ def gpu(args) -> int:
         error = relative_error(out, ref)
         good = nan == 0 and error < TOLERANCE[dtype]
         print(f"{'PASS' if good else 'FAIL'} {label_of(variant)} {'ab ' if forward else 'abt'} "
-              f"C={c_in}->{c_out}{' accumulate' if accumulate else ''}: error {error:.2e}, NaN {nan}", flush=True)
+              f"C={c_in}->{c_out}{' accumulate' if accumulate else ''}{f' {groups} groups' if groups > 1 else ''}: "
+              f"error {error:.2e}, NaN {nan}", flush=True)
         return good
 
     passing = set(kernels)
     for label, (variant, ks) in kernels.items():
-        cases = [(forward, c_in, c_out, False) for c_in, c_out in CHANNELS for forward in (True, False)]
-        cases.append((True, 128, 128, True))
-        for forward, c_in, c_out, accumulate in cases:
-            name = f"{label} {'ab' if forward else 'abt'} C={c_in}->{c_out}"
+        cases = [(forward, c_in, c_out, False, 1) for c_in, c_out in CHANNELS for forward in (True, False)]
+        cases.append((True, 128, 128, True, 1))
+        cases += [(forward, 72, 40, False, groups) for groups in args.groups if groups > 1 for forward in (True, False)]
+        for forward, c_in, c_out, accumulate, groups in cases:
+            name = f"{label} {'ab' if forward else 'abt'} C={c_in}->{c_out} {groups} groups"
             try:
                 with Watchdog(name, args.hang_seconds):
-                    good = case(variant, ks, forward, c_in, c_out, accumulate)
+                    good = case(variant, ks, forward, c_in, c_out, accumulate, groups)
             except Exception as error:  # noqa: BLE001 - report every case
                 good = False
                 print(f"FAIL {name}: {error!r}"[:2000], flush=True)
@@ -366,12 +396,13 @@ def gpu(args) -> int:
         for label, (variant, ks) in kernels.items():
             if variant["SC_ELEMENT"] != 1 or label not in passing:
                 continue
-            block_m = 64 * variant["SC_CONSUMERS"]
-            prep = prepared[(True, block_m)] if (True, block_m) in prepared else Prepared(kernel_map, True, block_m)
-            for persistent in (True, False):
-                fn = (lambda v=variant, k=ks, p=prep, s=source, w=w, o=rows_out, q=persistent:
-                      run_kernel(k, True, v, p, s, w, o, False, q))
-                entries.append((f"sc90 {label}{'' if persistent else ' block a tile'}", fn))
+            for groups in args.groups:
+                prep = preps_of(True, 64 * variant["SC_CONSUMERS"], groups)
+                for persistent in (True, False) if groups == 1 else (True,):
+                    fn = (lambda v=variant, k=ks, p=prep, s=source, w=w, o=rows_out, q=persistent:
+                          run_kernel(k, True, v, p, s, w, o, False, q))
+                    name = f"sc90 {label}{'' if persistent else ' block a tile'}"
+                    entries.append((f"{name}{f' {groups} groups' if groups > 1 else ''}", fn))
         for m, n, k, warps, stages in TRITON_TILES:
             params = {"block_m": m, "block_n": n, "block_k": k, "num_warps": warps, "num_stages": stages,
                       "sort": True, "splits": 1}
@@ -418,6 +449,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU only: problem construction, tables, reference")
     parser.add_argument("--side", type=int, default=600, help="grid side of the height field (0.85 side^2 voxels)")
+    parser.add_argument("--scene", choices=("street1", "street4", "room2"),
+                        help="a benchmark scene's voxels (scripts/bench_layers.py) instead of the height field")
+    parser.add_argument("--groups", nargs="+", type=int, default=[1],
+                        help="offset groups to time (one launch each, the later ones adding); > 1 is also checked")
     parser.add_argument("--hang-seconds", type=float, default=60.0)
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--profile-tile", nargs=2, type=int, metavar=("BM", "BN"),
