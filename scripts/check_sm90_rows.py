@@ -272,7 +272,6 @@ def matmul_peak(device) -> float:
 
 def label_of(variant: dict) -> str:
     fence = " fence" if variant.get("SC_PRODUCER_FENCE") else ""
-    fence += f" prefetch={variant['SC_PREFETCH']}" if variant.get("SC_PREFETCH") else ""
     return (f"{DTYPES[variant['SC_ELEMENT']]!s:14} BM={64 * variant['SC_CONSUMERS']:3} BN={variant['SC_TB_N']:3} "
             f"BK={variant['SC_TB_K']} S={variant['SC_STAGES']}{fence}").replace("torch.", "")
 
@@ -291,8 +290,6 @@ def gpu(args) -> int:
                     and (64 * v["SC_CONSUMERS"], v["SC_TB_N"]) == tuple(args.profile_tile)]
     if args.producer_fence:  # the fallback signalling of rows_sm90.cu, to compare with the default
         variants = [{**v, "SC_PRODUCER_FENCE": 1} for v in variants]
-    if args.prefetch:  # rows_sm90.cu's L2 prefetch of source rows, these many offsets ahead (0 = off)
-        variants = [{**v, "SC_PREFETCH": d} if d else v for d in args.prefetch for v in variants]
     started = time.perf_counter()
     futures = [cuda_jit.compile_async(cutlass_sm90.SOURCE, v, cutlass_sm90.ARCH) for v in variants]
 
@@ -462,8 +459,6 @@ def main() -> int:
                         help="no checks: one bf16 C=256 forward launch of this tile for a profiler (see above)")
     parser.add_argument("--producer-fence", action="store_true",
                         help="build with -DSC_PRODUCER_FENCE=1 (wait_group + fence + arrive instead of the noinc arrive)")
-    parser.add_argument("--prefetch", nargs="+", type=int,
-                        help="build each variant with -DSC_PREFETCH=D for each D given (0 = as shipped)")
     args = parser.parse_args()
     if args.dry_run:
         return int(dry_run() > 0)

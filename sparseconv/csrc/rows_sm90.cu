@@ -8,7 +8,6 @@
 //   SC_STAGES     depth of the shared-memory ring between the gathering warps and the wgmma warps
 //   SC_CONSUMERS  1 or 2 wgmma warpgroups; the block owns BM = 64 * SC_CONSUMERS output slots
 //   SC_PRODUCER_FENCE  optional, default 0; 1 = the conservative stage signalling below (not shipped)
-//   SC_PREFETCH        optional, default 0; > 0 = bring source rows into L2 that many offsets ahead
 // It defines two extern "C" kernels, sc90_rows_ab and sc90_rows_abt, with the semantics of
 // sc_rows_ab / sc_rows_abt in sparse_gemm.cu but a per-tile list of offsets instead of a mask:
 //   for every slot s of [0, rows): d[order[s]] (+)= sum over the tile's listed offsets k of
@@ -84,12 +83,6 @@ using Element = cutlass::bfloat16_t;
 #endif
 #if SC_PRODUCER_FENCE && SC_STAGES < 3
 #error "SC_PRODUCER_FENCE signals a stage one step late and needs SC_STAGES >= 3"
-#endif
-// SC_PREFETCH (default 0 = off): while it issues the gathers of a tile's j-th listed offset, the
-// producer brings the whole source rows of its (j + SC_PREFETCH)-th into L2 (one bulk prefetch
-// a row), so that those gathers later wait on L2 rather than on DRAM.
-#ifndef SC_PREFETCH
-#define SC_PREFETCH 0
 #endif
 
 namespace sc90 {
@@ -310,12 +303,6 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
           }
           if (j + 2 < listed) k_after = offsets[j + 2];
         }
-#if SC_PREFETCH > 0
-        // Read now, used after this offset's copies are issued (the load's latency hides behind them).
-        int ahead = -1;
-        if (j + SC_PREFETCH < listed && thread < BM && m0 + thread < rows)
-          ahead = table[(long long)offsets[j + SC_PREFETCH] * rows + m0 + thread];
-#endif
         Element const *const b_k = b_tiles + (long long)k * k_blocks * b_tile_step;
         for (int kb = 0; kb < k_blocks; ++kb) {
           Barrier::wait(&shared.empty[ring.stage], ring.phase ^ 1);  // a fresh barrier passes parity 1
@@ -348,12 +335,6 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
 #endif
           ring.advance();
         }
-#if SC_PREFETCH > 0
-        if (ahead >= 0 && ahead != zero_row)
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(a + (long long)ahead * reduce),
-                       "r"(reduce * int(sizeof(Element)))
-                       : "memory");
-#endif
         CUTE_UNROLL
         for (int i = 0; i < kRowsA; ++i) source[i] = upcoming[i];
         k = k_next;
