@@ -272,6 +272,7 @@ def matmul_peak(device) -> float:
 
 def label_of(variant: dict) -> str:
     fence = " fence" if variant.get("SC_PRODUCER_FENCE") else ""
+    fence += " no stores" if variant.get("SC_EPILOGUE_PROBE") else ""
     return (f"{DTYPES[variant['SC_ELEMENT']]!s:14} BM={64 * variant['SC_CONSUMERS']:3} BN={variant['SC_TB_N']:3} "
             f"BK={variant['SC_TB_K']} S={variant['SC_STAGES']}{fence}").replace("torch.", "")
 
@@ -288,6 +289,8 @@ def gpu(args) -> int:
     if args.profile_tile:
         variants = [v for v in variants if v["SC_ELEMENT"] == 1
                     and (64 * v["SC_CONSUMERS"], v["SC_TB_N"]) == tuple(args.profile_tile)]
+    if args.probe:
+        variants = variants + [{**v, "SC_EPILOGUE_PROBE": 1} for v in variants]
     if args.producer_fence:  # the fallback signalling of rows_sm90.cu, to compare with the default
         variants = [{**v, "SC_PRODUCER_FENCE": 1} for v in variants]
     started = time.perf_counter()
@@ -394,7 +397,7 @@ def gpu(args) -> int:
         rows_out = torch.empty(nbr.shape[0], c, device=device, dtype=torch.bfloat16)
         entries = []
         for label, (variant, ks) in kernels.items():
-            if variant["SC_ELEMENT"] != 1 or label not in passing:
+            if variant["SC_ELEMENT"] != 1 or (label not in passing and not variant.get("SC_EPILOGUE_PROBE")):
                 continue
             for groups in args.groups:
                 prep = preps_of(True, 64 * variant["SC_CONSUMERS"], groups)
@@ -459,6 +462,8 @@ def main() -> int:
                         help="no checks: one bf16 C=256 forward launch of this tile for a profiler (see above)")
     parser.add_argument("--producer-fence", action="store_true",
                         help="build with -DSC_PRODUCER_FENCE=1 (wait_group + fence + arrive instead of the noinc arrive)")
+    parser.add_argument("--probe", action="store_true",
+                        help="also time each variant built with -DSC_EPILOGUE_PROBE=1 (no output stores; fails its checks)")
     args = parser.parse_args()
     if args.dry_run:
         return int(dry_run() > 0)
