@@ -8,6 +8,7 @@
 //   SC_STAGES     depth of the shared-memory ring between the gathering warps and the wgmma warps
 //   SC_CONSUMERS  1 or 2 wgmma warpgroups; the block owns BM = 64 * SC_CONSUMERS output slots
 //   SC_PRODUCER_FENCE  optional, default 0; 1 = the conservative stage signalling below (not shipped)
+//   SC_EPILOGUE_PROBE  optional, default 0; 1 = the epilogue stores nothing (to time the rest; fails every check)
 // It defines two extern "C" kernels, sc90_rows_ab and sc90_rows_abt, with the semantics of
 // sc_rows_ab / sc_rows_abt in sparse_gemm.cu but a per-tile list of offsets instead of a mask:
 //   for every slot s of [0, rows): d[order[s]] (+)= sum over the tile's listed offsets k of
@@ -146,6 +147,11 @@ struct Operands {
 __device__ __forceinline__ void copy16(uint32_t smem, void const *gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0)
                : "memory");
+}
+
+// x[i] for i in [0, 4) known only at run time, without indexing an array (local memory).
+__device__ __forceinline__ float select4(int i, float x0, float x1, float x2, float x3) {
+  return i == 0 ? x0 : i == 1 ? x1 : i == 2 ? x2 : x3;
 }
 
 // Byte offset of element (mn, k) of stage s in a (MN, K, stage) GMMA shared layout. Such a layout
@@ -413,42 +419,68 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
         int slot = m0 + get<0>(coords(make_coord(make_coord(0, half, 0), 0, 0)));
         out_row[half] = slot < rows ? (long long)order[slot] * cols : -1;
       }
-      // accumulate: the old values of a chunk of column groups are all loaded before any is
-      // stored (a store may alias the next load for the compiler, so one group at a time would
-      // wait a full memory round trip per group: 32 of them for BN = 256).
-      constexpr int kChunk = 8;
+      // A quad of lanes holds columns 2 q, 2 q + 1 (q = lane % 4) of every group of 8 columns, for
+      // two rows (halves). Three shuffle rounds per chunk of 4 groups hand lane q all 8 columns of
+      // the chunk's group q, which it then stores (and, with accumulate, first loads) as one
+      // 16-byte vector: a quarter of the store instructions of 4-byte pairs, each filling whole
+      // 64-byte pieces of a row (the 4-byte stores spent ~8% of the kernel; check_sm90_rows.py --probe).
+      int const quad = thread % 4;
+      // accumulate: the old values of a batch of groups are all loaded before any is stored (a
+      // store may alias the next load for the compiler, so one at a time would wait a full memory
+      // round trip each).
+      constexpr int kBatch = 2;  // chunks of 4 groups a batch
       CUTE_UNROLL
-      for (int first = 0; first < BN / 8; first += kChunk) {
-        uint32_t old[kChunk][2];
-        if (accumulate) {
+      for (int first = 0; first < BN / 32; first += kBatch) {
+        int col[kBatch];
+        uint4 old[kBatch][2];
+        CUTE_UNROLL
+        for (int c = 0; c < kBatch; ++c) {
+          // the chunk's group q starts 2 q columns before this lane's pair of it
+          col[c] = n0 + get<1>(coords(make_coord(make_coord(0, 0, 4 * (first + c) + quad), 0, 0))) - 2 * quad;
           CUTE_UNROLL
-          for (int g = 0; g < kChunk; ++g) {
-            int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, first + g), 0, 0)));
-            CUTE_UNROLL
-            for (int half = 0; half < 2; ++half)
-              old[g][half] = col < cols && out_row[half] >= 0
-                                 ? *reinterpret_cast<uint32_t const *>(d + out_row[half] + col) : 0u;
-          }
+          for (int half = 0; half < 2; ++half)
+            old[c][half] = accumulate && col[c] < cols && out_row[half] >= 0
+                               ? *reinterpret_cast<uint4 const *>(d + out_row[half] + col[c])
+                               : make_uint4(0u, 0u, 0u, 0u);
         }
         CUTE_UNROLL
-        for (int g = 0; g < kChunk; ++g) {
-          int const group = first + g;
-          int col = n0 + get<1>(coords(make_coord(make_coord(0, 0, group), 0, 0)));
-          if (col >= cols) continue;  // cols % 8 == 0: col + 1 < cols as well
+        for (int c = 0; c < kBatch; ++c) {
+          int const g0 = 4 * (first + c);
           CUTE_UNROLL
           for (int half = 0; half < 2; ++half) {
-            if (out_row[half] < 0) continue;
-            float lo = acc(make_coord(make_coord(0, half, group), 0, 0));
-            float hi = acc(make_coord(make_coord(1, half, group), 0, 0));
-            if (accumulate) {
-              lo += float(Element::bitcast(uint16_t(old[g][half] & 0xffffu)));
-              hi += float(Element::bitcast(uint16_t(old[g][half] >> 16)));
+            // got[r]: columns 2 ((q + r) % 4) + {0, 1} of group g0 + q, from lane (q + r) % 4
+            float got[4][2];
+            CUTE_UNROLL
+            for (int r = 0; r < 4; ++r) {
+              int const send = (quad - r) & 3;  // the group whose pair lane (q - r) % 4 wants
+              CUTE_UNROLL
+              for (int v = 0; v < 2; ++v) {
+                float x = select4(send, acc(make_coord(make_coord(v, half, g0), 0, 0)),
+                                  acc(make_coord(make_coord(v, half, g0 + 1), 0, 0)),
+                                  acc(make_coord(make_coord(v, half, g0 + 2), 0, 0)),
+                                  acc(make_coord(make_coord(v, half, g0 + 3), 0, 0)));
+                got[r][v] = r == 0 ? x : __shfl_sync(0xffffffffu, x, (quad + r) & 3, 4);
+              }
             }
+            uint32_t pair[4];
+            uint32_t const was[4] = {old[c][half].x, old[c][half].y, old[c][half].z, old[c][half].w};
+            CUTE_UNROLL
+            for (int p = 0; p < 4; ++p) {  // columns 2 p, 2 p + 1 arrived in round (p - q) % 4
+              int const r = (p - quad) & 3;
+              float lo = select4(r, got[0][0], got[1][0], got[2][0], got[3][0]);
+              float hi = select4(r, got[0][1], got[1][1], got[2][1], got[3][1]);
+              if (accumulate) {
+                lo += float(Element::bitcast(uint16_t(was[p] & 0xffffu)));
+                hi += float(Element::bitcast(uint16_t(was[p] >> 16)));
+              }
+              pair[p] = uint32_t(Element(lo).raw()) | (uint32_t(Element(hi).raw()) << 16);
+            }
+            // cols % 8 == 0: a group is wholly inside or wholly past the last column
+            bool store = col[c] < cols && out_row[half] >= 0;
 #if SC_EPILOGUE_PROBE
-            if (lo != lo && hi != hi)  // never, for finite inputs: times the kernel without its stores
+            store = store && pair[0] == 0x7fc07fc0u;  // never, for finite inputs: no stores, to time the rest
 #endif
-            *reinterpret_cast<uint32_t *>(d + out_row[half] + col) =
-                uint32_t(Element(lo).raw()) | (uint32_t(Element(hi).raw()) << 16);
+            if (store) *reinterpret_cast<uint4 *>(d + out_row[half] + col[c]) = make_uint4(pair[0], pair[1], pair[2], pair[3]);
           }
         }
       }
