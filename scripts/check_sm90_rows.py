@@ -44,6 +44,7 @@ from sparseconv.ops.backends import cuda_jit, cutlass_gemm, cutlass_sm90, mask_t
 DTYPES = {0: torch.float16, 1: torch.bfloat16}
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
 CHANNELS = ((64, 64), (128, 128), (256, 256), (72, 40))  # (C_in, C_out)
+LABELLED = {"SC_ELEMENT", "SC_TB_N", "SC_TB_K", "SC_STAGES", "SC_CONSUMERS", "SC_PRODUCER_FENCE", "SC_EPILOGUE_PROBE"}
 TRITON_TILES = ((64, 128, 32, 4, 3), (128, 128, 64, 8, 3))  # block m, n, k, warps, stages
 
 
@@ -273,6 +274,7 @@ def matmul_peak(device) -> float:
 def label_of(variant: dict) -> str:
     fence = " fence" if variant.get("SC_PRODUCER_FENCE") else ""
     fence += " no stores" if variant.get("SC_EPILOGUE_PROBE") else ""
+    fence += "".join(f" {k}={v}" for k, v in variant.items() if k not in LABELLED)
     return (f"{DTYPES[variant['SC_ELEMENT']]!s:14} BM={64 * variant['SC_CONSUMERS']:3} BN={variant['SC_TB_N']:3} "
             f"BK={variant['SC_TB_K']} S={variant['SC_STAGES']}{fence}").replace("torch.", "")
 
@@ -291,6 +293,9 @@ def gpu(args) -> int:
                     and (64 * v["SC_CONSUMERS"], v["SC_TB_N"]) == tuple(args.profile_tile)]
     if args.probe:
         variants = variants + [{**v, "SC_EPILOGUE_PROBE": 1} for v in variants]
+    for define in args.define:  # variants with extra -D flags, beside the shipped ones
+        name, value = define.split("=")
+        variants = variants + [{**v, name: int(value)} for v in variants if name not in v]
     if args.producer_fence:  # the fallback signalling of rows_sm90.cu, to compare with the default
         variants = [{**v, "SC_PRODUCER_FENCE": 1} for v in variants]
     started = time.perf_counter()
@@ -462,6 +467,8 @@ def main() -> int:
                         help="no checks: one bf16 C=256 forward launch of this tile for a profiler (see above)")
     parser.add_argument("--producer-fence", action="store_true",
                         help="build with -DSC_PRODUCER_FENCE=1 (wait_group + fence + arrive instead of the noinc arrive)")
+    parser.add_argument("--define", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="also build and time each variant with -DNAME=VALUE (rows_sm90.cu's tuning macros)")
     parser.add_argument("--probe", action="store_true",
                         help="also time each variant built with -DSC_EPILOGUE_PROBE=1 (no output stores; fails its checks)")
     args = parser.parse_args()

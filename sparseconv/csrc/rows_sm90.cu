@@ -76,6 +76,13 @@ using Element = cutlass::bfloat16_t;
 #if SC_STAGES < 2
 #error "SC_STAGES must be at least 2"
 #endif
+// SC_EPILOGUE_BATCH: chunks of 4 column groups whose old values (accumulate) load together.
+#ifndef SC_EPILOGUE_BATCH
+#define SC_EPILOGUE_BATCH 2
+#endif
+#if SC_TB_N % (32 * SC_EPILOGUE_BATCH) != 0
+#error "SC_EPILOGUE_BATCH chunks of 32 columns must divide SC_TB_N"
+#endif
 // SC_PRODUCER_FENCE=1 (not shipped; a fallback to compare against): instead of the asynchronous
 // cp.async.mbarrier.arrive.noinc, each gathering thread waits for its copies of the previous
 // step (cp.async.wait_group 1), fences them into the async proxy itself and then arrives.
@@ -428,7 +435,7 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
       // accumulate: the old values of a batch of groups are all loaded before any is stored (a
       // store may alias the next load for the compiler, so one at a time would wait a full memory
       // round trip each).
-      constexpr int kBatch = 2;  // chunks of 4 groups a batch
+      constexpr int kBatch = SC_EPILOGUE_BATCH;  // chunks of 4 groups a batch
       CUTE_UNROLL
       for (int first = 0; first < BN / 32; first += kBatch) {
         int col[kBatch];
