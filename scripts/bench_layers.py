@@ -53,22 +53,26 @@ LAYERS = {"subm3": (3, 1, False), "down2": (2, 2, False), "up2": (2, 2, True)}
 CALLS_PER_SAMPLE = 1  # --calls
 
 
-def median_ms(fn, repeats: int, warmup: int = 3) -> float:
+def median_ms(fn, repeats: int, warmup: int = 3, calls: int | None = None) -> float:
     """Median milliseconds of ``fn`` with the tuner's timer (CUDA events; perf_counter for --device cpu dry runs),
-    a sample being the mean of CALLS_PER_SAMPLE back-to-back calls."""
-    plan = TimingPlan(warmup=warmup, repeats=repeats, flush_l2=False, calls=CALLS_PER_SAMPLE)
+    a sample being the mean of ``calls`` (default CALLS_PER_SAMPLE) back-to-back calls."""
+    plan = TimingPlan(warmup=warmup, repeats=repeats, flush_l2=False, calls=calls or CALLS_PER_SAMPLE)
     return Timer(DEVICE, plan).median(fn)[0]
 
 
-def ceilings() -> tuple[float, float]:
-    """(bf16 matmul TFLOP/s, device copy GB/s counting read + write), measured now."""
+def ceilings() -> tuple[float, float, float]:
+    """(bf16 matmul TFLOP/s timed as the cells are, the same with one call a sample, device copy GB/s
+    counting read + write), measured now. The %peak column uses the first: back-to-back 8192^3
+    matmuls run at a lower clock than one after an idle gap (an H200 gave ~680 against ~790
+    TFLOP/s), and --calls N > 1 times the cells back to back too."""
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     ms = median_ms(lambda: a @ b, 10)
+    one_ms = median_ms(lambda: a @ b, 10, calls=1)
     src = torch.randn(1 << 28, device=DEVICE)  # 1 GiB
     dst = torch.empty_like(src)
     copy_ms = median_ms(lambda: dst.copy_(src), 10)
-    return 2 * 8192**3 / ms / 1e9, 2 * src.numel() * 4 / copy_ms / 1e6
+    return 2 * 8192**3 / ms / 1e9, 2 * 8192**3 / one_ms / 1e9, 2 * src.numel() * 4 / copy_ms / 1e6
 
 
 def naive_conv(feats: torch.Tensor, weight: torch.Tensor, kernel_map) -> torch.Tensor:
@@ -218,9 +222,9 @@ def main() -> None:
     DEVICE = torch.device(args.device)
     CALLS_PER_SAMPLE = args.calls
     os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
-    peak_tflops, bandwidth_gbs = ceilings() if DEVICE.type == "cuda" else (float("nan"), float("nan"))
+    peak_tflops, one_call_tflops, bandwidth_gbs = ceilings() if DEVICE.type == "cuda" else (float("nan"),) * 3
     name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
-    print(f"device: {name}; measured bf16 matmul {peak_tflops:.0f} TFLOP/s, "
+    print(f"device: {name}; measured bf16 matmul {peak_tflops:.0f} TFLOP/s ({one_call_tflops:.0f} one call a sample), "
           f"copy {bandwidth_gbs:.0f} GB/s; median of {args.repeats} samples of {args.calls} call(s) (ms), kernel maps cached")
     if args.profile:
         profile_cell(args)
