@@ -62,9 +62,9 @@ def median_ms(fn, repeats: int, warmup: int = 3, calls: int | None = None) -> fl
 
 def ceilings() -> tuple[float, float, float]:
     """(bf16 matmul TFLOP/s timed as the cells are, the same with one call a sample, device copy GB/s
-    counting read + write), measured now. The %peak column uses the first: back-to-back 8192^3
-    matmuls run at a lower clock than one after an idle gap (an H200 gave ~680 against ~790
-    TFLOP/s), and --calls N > 1 times the cells back to back too."""
+    counting read + write), measured now. The %peak column uses the first. How the matmul is timed
+    moves it: on H200s, 10 calls a sample gave 679-688 TFLOP/s, one call a sample 631-677, and
+    check_sm90_rows.py's single calls behind a GPU-side sleep 781-800 (docs/performance.md)."""
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     ms = median_ms(lambda: a @ b, 10)
