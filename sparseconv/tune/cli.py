@@ -64,8 +64,9 @@ def format_entries(items: list[tuple[str, str, dict]], best_only: bool, path: Pa
             continue
         for cid, t in sorted(timings.items(), key=lambda kv: (kv[1].get("ms") is None, kv[1].get("ms") or 0)):
             shown = f"{t['ms']:.3f}" if t.get("ms") is not None else "-"
+            host = f", host {t['host_ms']:.3f}" if t.get("host_ms") is not None else ""
             reason = f" ({t['reason']})" if t.get("reason") else ""
-            lines.append(f"      {cid:<42} {shown:>10} ms  {t.get('verdict', '?')}{reason}")
+            lines.append(f"      {cid:<42} {shown:>10} ms{host}  {t.get('verdict', '?')}{reason}")
     return "\n".join(lines)
 
 

@@ -3,7 +3,9 @@
 Medians, not means: one preempted run on a shared CPU or a clock ramp on a GPU moves a mean
 but not a median. Candidates whose medians are within ``CLOSE`` of the best are re-timed
 interleaved (A B C A B C ...), so a drift in machine state hits all of them alike before a
-winner is declared.
+winner is declared. Each sample also records the host time of issuing the calls: among
+candidates still within ``CLOSE`` of the best, the one that costs the host least wins, since a
+layer small enough for its GPU times to tie is one whose calls the host time can dominate.
 """
 
 from __future__ import annotations
@@ -63,32 +65,46 @@ class Timer:
 
     def once(self, fn: Callable[[], object]) -> float:
         """Milliseconds per call of one sample (``plan.calls`` back-to-back calls)."""
+        return self._sample(fn)[0]
+
+    def _sample(self, fn: Callable[[], object]) -> tuple[float, float]:
+        """(ms per call, host ms per call to issue it) of one sample; on the CPU both are wall time."""
         self._flush()
         calls = self.plan.calls
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
+            begin = time.perf_counter()
             for _ in range(calls):
                 fn()
+            host = time.perf_counter() - begin
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / calls
+            return start.elapsed_time(end) / calls, 1e3 * host / calls
         begin = time.perf_counter()
         for _ in range(calls):
             fn()
-        return 1e3 * (time.perf_counter() - begin) / calls
+        wall = 1e3 * (time.perf_counter() - begin) / calls
+        return wall, wall
 
     def median(self, fn: Callable[[], object], warmup: int | None = None, repeats: int | None = None) -> tuple[float, int]:
         """(median ms, samples) after warm-up; the sample count follows the plan's budget."""
+        return self.measure(fn, warmup, repeats)[:2]
+
+    def measure(self, fn: Callable[[], object], warmup: int | None = None,
+                repeats: int | None = None) -> tuple[float, int, float]:
+        """(median ms, samples, median host ms a call) after warm-up; the sample count follows the
+        plan's budget."""
         warm = [self.once(fn) for _ in range(self.plan.warmup if warmup is None else warmup)]
         if repeats is None:
             repeats = self.plan.repeats
             if warm and self.plan.budget_ms != float("inf"):
                 affordable = int(self.plan.budget_ms / max(min(warm), 1e-3))
                 repeats = max(self.plan.min_repeats, min(repeats, affordable))
-        samples = [self.once(fn) for _ in range(repeats)]
-        return statistics.median(samples), len(samples)
+        samples = [self._sample(fn) for _ in range(repeats)]
+        return (statistics.median(ms for ms, _ in samples), len(samples),
+                statistics.median(host for _, host in samples))
 
     def interleaved(self, fns: Sequence[Callable[[], object]], rounds: int | None = None) -> list[tuple[float, int]]:
         """(median ms, samples) of each callable, timed round-robin."""

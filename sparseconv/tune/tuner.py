@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -160,9 +160,9 @@ class Tuner:
             close = [c for c in ok if timings[c.id]["ms"] <= timings[ok[0].id]["ms"] * (1 + CLOSE)]
             if len(close) > 1 and any(c in fresh for c in close):
                 self._retime(namespace, problem, close, timings, a, b, kernel_map)
-                ok.sort(key=lambda c: timings[c.id]["ms"])
         if ok:
-            choice = ok[0]
+            winner = pick(timings, [c.id for c in ok])
+            choice = next(c for c in ok if c.id == winner)
         elif effort == "none":
             choice = pool[0]
         else:
@@ -194,7 +194,7 @@ class Tuner:
             try:
                 failure = check_output(call(), reference)
                 if failure is None:
-                    record["ms"], record["samples"] = timer.median(call)
+                    record["ms"], record["samples"], record["host_ms"] = timer.measure(call)
                     record["verdict"] = "ok"
                 else:
                     record.update(verdict="wrong", reason=failure)
@@ -220,11 +220,20 @@ class Tuner:
         ok = {cid: t for cid, t in timings.items() if t.get("verdict") == "ok"}
         entry = {
             "timings": timings,
-            "winner": min(ok, key=lambda cid: ok[cid]["ms"]) if ok else FALLBACK,
+            "winner": pick(ok, list(ok)) if ok else FALLBACK,
             "evidence": sum(int(t.get("samples", 0)) for t in timings.values()),
             "updated": time.time(),
         }
         self.cache.put(namespace, encoded, entry)
+
+
+def pick(timings: Mapping[str, Mapping], ids: list[str]) -> str:
+    """The winner among the timed ``ids``: of those within CLOSE of the fastest median, the one
+    with the least host time a call (entries stored before host times were kept count as costing
+    the most), then the fastest."""
+    fastest = min(timings[i]["ms"] for i in ids)
+    close = [i for i in ids if timings[i]["ms"] <= fastest * (1 + CLOSE)]
+    return min(close, key=lambda i: (timings[i].get("host_ms", float("inf")), timings[i]["ms"]))
 
 
 def _known(candidate_id: str) -> Candidate | None:
@@ -267,12 +276,13 @@ def _log_sweep(namespace: str, encoded: str, pool, timings: dict, choice: Candid
     if not config.autotune_log():
         return
     _ensure_handler()
-    rows = [f"{'candidate':<40} {'median ms':>10}  verdict"]
+    rows = [f"{'candidate':<40} {'median ms':>10} {'host ms':>8}  verdict"]
     for c in pool:
         t = timings.get(c.id, {})
         ms = f"{t['ms']:.3f}" if t.get("ms") is not None else "-"
+        host = f"{t['host_ms']:.3f}" if t.get("host_ms") is not None else "-"
         verdict = t.get("verdict", "not timed") + (f" ({t['reason']})" if t.get("reason") else "")
-        rows.append(f"{c.id:<40} {ms:>10}  {verdict}{'' if c in fresh else ' [cached]'}")
+        rows.append(f"{c.id:<40} {ms:>10} {host:>8}  {verdict}{'' if c in fresh else ' [cached]'}")
     logger.info("sparseconv autotune %s %s\n%s\nwinner: %s", namespace, encoded, "\n".join(rows), choice.id)
 
 

@@ -114,8 +114,9 @@ def test_a_timing_sample_is_the_mean_of_its_back_to_back_calls():
         calls.append(1)
         time.sleep(next(delays))
 
-    ms, samples = Timer(torch.device("cpu"), TimingPlan(warmup=0, repeats=3, flush_l2=False, calls=2)).median(fn)
+    ms, samples, host = Timer(torch.device("cpu"), TimingPlan(warmup=0, repeats=3, flush_l2=False, calls=2)).measure(fn)
     assert samples == 3 and len(calls) == 6
     assert 13.0 <= ms < 30.0  # (0 + 30 ms) / 2 per call, not the slow call alone nor the sum
+    assert host == ms  # on the CPU, issuing a call is running it
     with pytest.raises(ValueError, match="calls must be >= 1"):
         TimingPlan(warmup=0, repeats=1, flush_l2=False, calls=0)

@@ -124,9 +124,24 @@ def test_auto_picks_the_fastest_correct_candidate_and_results_stay_right():
     verdicts = {cid: t["verdict"] for _, _, e in entries("AB_gather_scatter") for cid, t in e["timings"].items()}
     assert verdicts["fake_wrong"] == "wrong" and verdicts["fake_nan"] == "wrong" and verdicts["fake_broken"] == "failed"
     assert verdicts["fake_fast"] == verdicts["fake_slow"] == verdicts["explicit_gemm"] == "ok"
+    hosts = {cid: t.get("host_ms") for _, _, e in entries("AB_gather_scatter") for cid, t in e["timings"].items()}
+    assert hosts["fake_slow"] >= 9.0 and hosts["fake_fast"] < hosts["fake_slow"]  # it sleeps 10 ms a call
     reasons = {cid: t.get("reason", "") for _, _, e in entries("AB_gather_scatter") for cid, t in e["timings"].items()}
     assert "relative error" in reasons["fake_wrong"] and "non-finite" in reasons["fake_nan"]
     assert "fake compile error" in reasons["fake_broken"]
+
+
+def test_close_candidates_are_decided_by_host_time():
+    """Within CLOSE of the fastest median, the candidate that costs the host least wins (a small
+    layer's calls can be host-bound); past CLOSE, or without host times, the fastest does."""
+    from sparseconv.tune.tuner import pick
+
+    timings = {"cupy": {"ms": 0.246, "host_ms": 0.19}, "triton": {"ms": 0.257, "host_ms": 0.08},
+               "far": {"ms": 0.300, "host_ms": 0.01}, "old": {"ms": 0.250}}
+    assert pick(timings, ["cupy", "triton", "far"]) == "triton"
+    assert pick(timings, ["far", "cupy"]) == "cupy"  # 22% slower: host time does not buy that
+    assert pick(timings, ["old", "cupy"]) == "cupy"  # a stored entry without a host time counts as the costliest
+    assert pick({"a": {"ms": 1.0}, "b": {"ms": 1.02}}, ["b", "a"]) == "a"
 
 
 def test_when_every_listed_candidate_fails_explicit_gemm_runs(caplog):
