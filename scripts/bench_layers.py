@@ -216,8 +216,9 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES),
                         help="families to tune and time on their own (none: only the overall choice; faster)")
     args = parser.parse_args()
-    if args.log:
+    if args.log:  # the disqualifications log at INFO; the sweep tables only with SPARSECONV_AUTOTUNE_LOG
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        os.environ["SPARSECONV_AUTOTUNE_LOG"] = "1"
     global DEVICE, CALLS_PER_SAMPLE
     DEVICE = torch.device(args.device)
     CALLS_PER_SAMPLE = args.calls
