@@ -50,6 +50,12 @@ FAMILIES = {
 LAYERS = {"subm3": (3, 1, False), "down2": (2, 2, False), "up2": (2, 2, True)}
 
 
+def scene_coords(name: str, scale: float = 1.0) -> torch.Tensor:
+    """(N, 4) int32 coords of the benchmark scene ``name`` (SCENES), its size times ``scale``."""
+    kind, voxel, batch, base = SCENES[name]
+    return make_scene(kind, voxel_size=voxel, batch_size=batch, scale=base * scale)[0]
+
+
 CALLS_PER_SAMPLE = 1  # --calls
 
 
@@ -180,8 +186,7 @@ def map_build_ms(coords: torch.Tensor, repeats: int) -> float:
 
 def profile_cell(args) -> None:
     """Where one forward+backward spends its time (street1, first channel count and dtype)."""
-    kind, voxel, batch, scale = SCENES[args.scenes[0]]
-    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale * args.scale)
+    coords = scene_coords(args.scenes[0], args.scale)
     c, dtype = args.channels[0], getattr(torch, args.dtypes[0])
     x = SparseTensor(coords.to(DEVICE), torch.randn(len(coords), c, device=DEVICE, dtype=dtype).requires_grad_())
     weight = torch.randn(27, c, c, device=DEVICE, dtype=dtype, requires_grad=True)
@@ -237,8 +242,7 @@ def main() -> None:
     ratios: dict[str, list[float]] = {"fwd": [], "fwd+bwd": []}
     peer_ratios: dict[str, list[float]] = {"fwd": [], "fwd+bwd": []}
     for scene in args.scenes:
-        kind, voxel, batch, scale = SCENES[scene]
-        coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale * args.scale)
+        coords = scene_coords(scene, args.scale)
         base = SparseTensor(coords.to(DEVICE), torch.zeros(len(coords), 1, device=DEVICE))
         map_ms = map_build_ms(base.coords, args.repeats)
         print(f"{scene}: {len(coords)} voxels; our submanifold 3^3 kernel-map build {map_ms:.3f} ms")

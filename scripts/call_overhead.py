@@ -35,11 +35,10 @@ import time
 import torch
 
 from anchors import import_anchor
-from bench_layers import LAYERS, SCENES, anchor_layer
+from bench_layers import LAYERS, SCENES, anchor_layer, scene_coords
 
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
-from sparseconv.data import make_scene
 from sparseconv.ops import sparse_conv3d
 from sparseconv.ops.conv import AlgoPins, SparseConvFunction, _problem
 from sparseconv.ops.dispatch import dispatch
@@ -85,8 +84,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true",
                         help="time the tuned layer's backward products, backward and forward+backward instead")
     args = parser.parse_args()
-    kind, voxel, batch, scale = SCENES[args.scene]
-    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
+    coords = scene_coords(args.scene)
     c, dtype, device = args.channels, getattr(torch, args.dtype), torch.device("cuda")
     feats = torch.randn(len(coords), c, device=device, dtype=dtype)
     x = SparseTensor(coords.to(device), feats)

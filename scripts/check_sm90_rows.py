@@ -83,13 +83,9 @@ def neighbour_table(coords: torch.Tensor) -> torch.Tensor:
 def scene_voxels(name: str) -> torch.Tensor:
     """(N, 3) int64 unique voxels of a benchmark scene (scripts/bench_layers.py SCENES), its
     batches side by side along x so that the torch neighbour table sees one grid."""
-    from bench_layers import SCENES
+    from bench_layers import scene_coords
 
-    from sparseconv.data import make_scene
-
-    kind, voxel, batch, scale = SCENES[name]
-    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
-    coords = coords.to(torch.int64)
+    coords = scene_coords(name).to(torch.int64)
     xyz = coords[:, 1:] - coords[:, 1:].amin(0)
     xyz[:, 0] += coords[:, 0] * (int(xyz[:, 0].max()) + 3)
     return xyz

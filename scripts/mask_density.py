@@ -14,11 +14,10 @@ import argparse
 
 import torch
 
-from bench_layers import SCENES
+from bench_layers import SCENES, scene_coords
 
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
-from sparseconv.data import make_scene
 from sparseconv.ops.backends import mask_triton
 
 
@@ -56,8 +55,7 @@ def compare_orders(coords: torch.Tensor, table: torch.Tensor, block_ms: list[int
 
 def scene_map(scene: str):
     """(coords, submanifold 3^3 kernel map) of a benchmark scene, built on the CPU."""
-    kind, voxel, batch, scale = SCENES[scene]
-    coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
+    coords = scene_coords(scene)
     x = SparseTensor(coords, torch.zeros(len(coords), 1))
     return coords, x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0]
 

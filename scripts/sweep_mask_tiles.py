@@ -20,11 +20,10 @@ import math
 
 import torch
 
-from bench_layers import SCENES, ceilings, median_ms
+from bench_layers import SCENES, ceilings, median_ms, scene_coords
 
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
-from sparseconv.data import make_scene
 from sparseconv.ops.backends import cutlass_sm90, explicit, mask_triton
 from sparseconv.ops.conv import _problem
 
@@ -107,8 +106,7 @@ def main() -> None:
     peak_tflops, _ = ceilings()
     print(f"device: {torch.cuda.get_device_name()}; measured bf16 matmul {peak_tflops:.0f} TFLOP/s")
     for scene in args.scenes:
-        kind, voxel, batch, scale = SCENES[scene]
-        coords, _ = make_scene(kind, voxel_size=voxel, batch_size=batch, scale=scale)
+        coords = scene_coords(scene)
         x = SparseTensor(coords.cuda(), torch.zeros(len(coords), 1, device="cuda"))
         kernel_map, _ = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))
         for dtype_name in args.dtypes:
