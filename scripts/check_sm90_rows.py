@@ -100,8 +100,7 @@ class Prepared:
                  group: tuple[int, int] | None = None) -> None:
         self.group = group or (0, kernel_map.kernel_volume)
         self.table, self.order, self.sources = cutlass_gemm.gather_table(kernel_map, forward, self.group)
-        active, self.count = mask_triton.active_lists(kernel_map, forward, True, block_m, self.group)
-        self.active = (active - self.group[0]).contiguous()
+        self.active, self.count = cutlass_sm90._group_lists(kernel_map, forward, block_m, self.group)
         self.block_m = block_m
         self.rows = self.table.shape[1]
 
