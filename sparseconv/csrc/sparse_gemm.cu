@@ -4,7 +4,7 @@
 //   SC_ELEMENT  0 = half, 1 = bfloat16, 2 = float through tf32 tensor ops
 //   SC_TB_M, SC_TB_N, SC_TB_K   threadblock tile;  SC_WARP_M, SC_WARP_N   warp tile
 //   SC_STAGES   cp.async pipeline depth
-// It defines seven extern "C" kernels, all with fp32 accumulation:
+// It defines eight extern "C" kernels, all with fp32 accumulation:
 //   sc_rows_ab, sc_rows_abt   output-stationary over every kernel offset in one launch: a block
 //                             owns BM output rows (visited in the order of a permutation that
 //                             sorts rows by neighbour mask) and accumulates, offset after offset,
@@ -21,7 +21,7 @@
 //   sc_chunks_atb             dW chunks: for chunk c = (offset k, first pair, pair count),
 //                             W_c = A[gather[pairs]]^T @ B[scatter[pairs]], gathered along the
 //                             reduction dimension of both operands (split-K over the pairs);
-//                             the caller sums the chunks of each offset.
+//                             sc_chunks_sum then sums the chunks of each offset.
 // "abt" reads B_k transposed through a column-major layout, so dgrad needs no copy of W.
 // The launch geometry of every kernel is exported in sc_launch_info = {threads, shared bytes}.
 
@@ -231,9 +231,36 @@ sc_chunks_atb(Element const *a, Element const *b, int const *gather_a, int const
                       0.0f, channels_a, channels_b, m0, n0);
 }
 
+// dw[k] = the sum of chunks [starts[k], starts[k + 1]) of partial, in the element type: the split-K
+// parts of sc_chunks_atb met in a fixed order (deterministic, unlike atomics), in one pass.
+// partial: (num_chunks, size) fp32; starts: (num_offsets + 1); dw: (num_offsets, size); size % 4 == 0
+// (channel counts are multiples of 4). Grid: (ceil(size / (4 * threads)), num_offsets).
+extern "C" __global__ void __launch_bounds__(sc::kThreads)
+sc_chunks_sum(float const *partial, int const *starts, Element *dw, int size) {
+  int k = blockIdx.y;
+  long long i = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= size) {
+    return;
+  }
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int c = starts[k]; c < starts[k + 1]; ++c) {
+    float4 part = *reinterpret_cast<float4 const *>(partial + (long long)c * size + i);
+    sum.x += part.x;
+    sum.y += part.y;
+    sum.z += part.z;
+    sum.w += part.w;
+  }
+  cutlass::AlignedArray<Element, 4> out;
+  out[0] = Element(sum.x);
+  out[1] = Element(sum.y);
+  out[2] = Element(sum.z);
+  out[3] = Element(sum.w);
+  *reinterpret_cast<cutlass::AlignedArray<Element, 4> *>(dw + (long long)k * size + i) = out;
+}
+
 // {threads per block, dynamic shared bytes} of sc_rows_ab, sc_rows_abt, sc_pairs_ab, sc_pairs_abt, sc_chunks_atb,
-// sc_single_ab, sc_single_abt.
-extern "C" __device__ int sc_launch_info[7][2] = {
+// sc_single_ab, sc_single_abt, sc_chunks_sum.
+extern "C" __device__ int sc_launch_info[8][2] = {
     {sc::kThreads, sc::shared_bytes<sc::RowsKernel<RowMajorB, Element>>()},
     {sc::kThreads, sc::shared_bytes<sc::RowsKernel<ColumnMajorB, Element>>()},
     {sc::kThreads, sc::shared_bytes<sc::RowsKernel<RowMajorB, sc::Accumulator>>()},
@@ -241,4 +268,5 @@ extern "C" __device__ int sc_launch_info[7][2] = {
     {sc::kThreads, sc::shared_bytes<sc::ChunksKernel>()},
     {sc::kThreads, sc::shared_bytes<sc::RowsKernel<RowMajorB, Element>>()},
     {sc::kThreads, sc::shared_bytes<sc::RowsKernel<ColumnMajorB, Element>>()},
+    {sc::kThreads, 0},
 };

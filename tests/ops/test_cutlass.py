@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 
 import pytest
 import torch
@@ -187,12 +188,15 @@ def test_grouped_gather_table_and_tile_offsets_match_the_neighbour_table(forward
 @pytest.mark.parametrize("chunk", [7, 64, 10_000])
 def test_wgrad_chunks_cover_every_pair_once_within_its_offset(chunk):
     kernel_map = _cpu_map("submanifold_k3")
-    chunks, owners = cutlass_gemm._chunks(kernel_map, chunk)
-    starts = torch.tensor([0, *kernel_map.pair_counts]).cumsum(0)
+    chunks, first_chunk = cutlass_gemm._chunks(kernel_map, chunk)
+    first_pair = torch.tensor([0, *kernel_map.pair_counts]).cumsum(0).tolist()
+    first_chunk = first_chunk.tolist()
+    assert len(first_chunk) == kernel_map.kernel_volume + 1 and first_chunk[-1] == chunks.shape[0]
     covered = []
-    for (first, count), k in zip(chunks.tolist(), owners.tolist()):
-        assert 0 < count <= chunk and starts[k] <= first and first + count <= starts[k + 1]
-        covered += range(first, first + count)
+    for k in range(kernel_map.kernel_volume):
+        for first, count in chunks[first_chunk[k]:first_chunk[k + 1]].tolist():
+            assert 0 < count <= chunk and first_pair[k] <= first and first + count <= first_pair[k + 1]
+            covered += range(first, first + count)
     assert covered == list(range(kernel_map.num_pairs))
 
 
@@ -295,6 +299,58 @@ def test_every_inner_cutlass_config_matches_explicit_gemm():
     for tile in cutlass_gemm.WGRAD_TILES:
         out = cutlass_gemm._wgrad.__wrapped__(tile, x.feats, grad_out, kernel_map)
         assert relative_error(out, ref) < 5e-3, f"wgrad {tile}"
+
+
+@pytest.mark.gpu
+@needs_toolchain
+def test_cutlass_wgrad_sums_its_chunks_in_a_fixed_order():
+    """Many chunks an offset (chunk 7 pairs): two runs give the same bits, and the right sum."""
+    problem, kernel_map, operands = _gpu_case(CASES[0], 64, 32, torch.float16)
+    a, b = operands["AtB_gather_gather"]
+    tile = dataclasses.replace(cutlass_gemm.WGRAD_TILES[0], chunk=7)
+    first, second = (cutlass_gemm._wgrad.__wrapped__(tile, a, b, kernel_map) for _ in range(2))
+    assert torch.equal(first, second)
+    ref = explicit.run("AtB_gather_gather", problem, {}, a.double(), b.double(), kernel_map)
+    assert relative_error(first, ref) < 5e-3
+
+
+@pytest.mark.gpu
+@needs_toolchain
+def test_cutlass_launches_from_a_new_thread():
+    """A thread whose only CUDA work came from torch's caches may have no current context: the
+    driver launch binds the device's primary one and the products stay right."""
+    problem, kernel_map, operands = _gpu_case(CASES[0], 32, 32, torch.float16)
+    results = {}
+
+    def products() -> None:
+        for name, namespaces in OPS.items():
+            for namespace in namespaces:
+                results[name, namespace] = get(name).run(namespace, problem, {}, *operands[namespace], kernel_map)
+        torch.cuda.synchronize()
+
+    worker = threading.Thread(target=products)
+    worker.start()
+    worker.join()
+    assert len(results) == 5
+    for (name, namespace), out in results.items():
+        a, b = operands[namespace]
+        ref = explicit.run(namespace, problem, {}, a.double(), b.double(), kernel_map)
+        assert relative_error(out, ref) < 5e-3, f"{name} {namespace}"
+
+
+@pytest.mark.gpu
+@needs_toolchain
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cutlass_runs_on_a_device_other_than_the_current_one():
+    with torch.cuda.device(1):  # "cuda" is the second GPU while the case is built
+        problem, kernel_map, operands = _gpu_case(CASES[0], 32, 32, torch.float16)
+    assert torch.cuda.current_device() == 0 and problem.device.index == 1
+    for name, namespaces in OPS.items():
+        for namespace in namespaces:
+            a, b = operands[namespace]
+            out = get(name).run(namespace, problem, {}, a, b, kernel_map)
+            ref = explicit.run(namespace, problem, {}, a.double(), b.double(), kernel_map)
+            assert out.device == a.device and relative_error(out, ref) < 5e-3, f"{name} {namespace}"
 
 
 

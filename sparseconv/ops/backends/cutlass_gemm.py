@@ -8,7 +8,8 @@
   row has at most one pair (the transposed k2 s2 conv, the dgrad of the strided one) there is
   nothing to accumulate: one launch covers all offsets and writes the output dtype directly.
 - ``cutlass_splitk_wgrad`` (wgrad): dW_k = A[in_k]ᵀ · B[out_k] gathered along the pairs in both
-  operands, the pairs cut into chunks (split-K) that all run in one launch and are summed after.
+  operands, the pairs cut into chunks (split-K) that all run in one launch, then each offset's
+  chunks summed in a fixed order by a second kernel (deterministic).
 
 The tile shape and pipeline depth (and the chunk length of wgrad) are inner configurations,
 tuned with :func:`sparseconv.tune.autotune`; the tuner's namespaces choose between families.
@@ -33,14 +34,15 @@ import torch
 from ...coords.kernel_map import KernelMap
 from ...tune.decorator import autotune
 from ..problem import ConvProblem
-from . import cuda_jit
+from . import cuda_jit, cuda_launch
 from .mask_triton import one_pair_per_row, product_table, sorted_rows, tile_offsets
 from .registry import Backend, register
 
 SOURCE = "sparse_gemm.cu"
 ELEMENT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 MAX_GRID_Z = 65535
-KERNELS = ("sc_rows_ab", "sc_rows_abt", "sc_pairs_ab", "sc_pairs_abt", "sc_chunks_atb", "sc_single_ab", "sc_single_abt")
+KERNELS = ("sc_rows_ab", "sc_rows_abt", "sc_pairs_ab", "sc_pairs_abt", "sc_chunks_atb", "sc_single_ab", "sc_single_abt",
+           "sc_chunks_sum")
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ def shipped_variants() -> list[dict[str, int]]:
 
 
 class _Kernel(NamedTuple):
-    function: object
+    function: object  # CuPy's RawKernel: it keeps the module loaded, and knows the kernel's attributes
+    handle: int  # its CUfunction on the device, what cuda_launch launches
     threads: int
     shared_bytes: int
 
@@ -91,10 +94,15 @@ def kernels_of(module, device_index: int, names: tuple[str, ...], launch_info: s
         info = cupy.ndarray((len(names), 2), cupy.int32, module.get_global(launch_info)).get()
         kernels = {}
         for name, (threads, shared) in zip(names, info.tolist()):
-            function = module.get_function(name)
-            function.max_dynamic_shared_size_bytes = shared
-            kernels[name] = _Kernel(function, threads, shared)
+            kernels[name] = kernel_of(module, name, threads, shared)
     return kernels
+
+
+def kernel_of(module, name: str, threads: int, shared_bytes: int) -> _Kernel:
+    """Kernel ``name`` of a CuPy module, for the current device, with its dynamic shared-memory limit raised."""
+    function = module.get_function(name)
+    function.max_dynamic_shared_size_bytes = shared_bytes
+    return _Kernel(function, function.kernel.ptr, threads, shared_bytes)
 
 
 @functools.cache
@@ -113,56 +121,20 @@ def _prefetch(dtype: torch.dtype, arch: str) -> None:
     cuda_jit.compile_all(SOURCE, [defines(t, dtype) for t in TILES], arch)
 
 
-def _argument(value):
-    if isinstance(value, torch.Tensor):
-        return np.uint64(value.data_ptr())
-    if isinstance(value, np.generic):
-        return value
-    return np.int32(value)
-
-
-class _StreamHandle:
-    """A raw CUDA stream in the __cuda_stream__ protocol that CuPy adopts."""
-
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
-
-
-@functools.lru_cache(maxsize=64)
-def _cupy_stream(handle: int, device_index: int):
-    """torch's stream as a CuPy stream, so that our launches are ordered with torch's work."""
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14
-            return cupy.cuda.Stream.from_external(_StreamHandle(handle))
-        return cupy.cuda.ExternalStream(handle, device_index)
-
-
-def _current_stream_handle(device_index: int) -> int:
-    """torch's current CUDA stream on the device, as a raw handle (the private getter Triton's
-    launcher uses is ~20x cheaper than ``torch.cuda.current_stream``; the public one otherwise)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
-
-
 def _launch(kernel: _Kernel, grid: tuple[int, int, int], device: torch.device, *args) -> None:
     _launch_all(device, [(kernel, grid, args)])
 
 
 def _launch_all(device: torch.device, launches: list[tuple[_Kernel, tuple[int, int, int], tuple]]) -> None:
-    """Launch ``(kernel, grid, args)`` in order on torch's current stream (one device and stream
-    context for all: entering them is a good part of a launch's host time)."""
-    import cupy
-
-    stream = _cupy_stream(_current_stream_handle(device.index), device.index)
-    with cupy.cuda.Device(device.index), stream:
-        for kernel, grid, args in launches:
-            kernel.function(grid, (kernel.threads,), tuple(_argument(a) for a in args),
-                            shared_mem=kernel.shared_bytes)
+    """Launch ``(kernel, grid, args)`` in order on torch's current stream of ``device``."""
+    index = device.index
+    if torch.cuda.current_device() != index:  # the kernels' module is loaded in that device's context
+        with torch.cuda.device(index):
+            return _launch_all(device, launches)
+    stream = cuda_launch.current_stream(index)
+    for kernel, grid, args in launches:
+        cuda_launch.launch(kernel.handle, grid, kernel.threads, kernel.shared_bytes, stream, args, index)
+    return None
 
 
 def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
@@ -298,23 +270,32 @@ def run_implicit(namespace: str, problem: ConvProblem, params: Mapping, a: torch
 # ---------------------------------------------------------------- cutlass_splitk_wgrad ----------
 
 def _chunks(kernel_map: KernelMap, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """((chunks, 2) int32 (first pair, pair count), (chunks,) int64 offset of each chunk)."""
+    """((chunks, 2) int32 (first pair, pair count), (kernel volume + 1,) int32 first chunk of each
+    offset): each offset's pairs cut in order into chunks of at most ``chunk`` pairs."""
     chunk = max(chunk, math.ceil(kernel_map.num_pairs / MAX_GRID_Z))  # one grid z-index per chunk
     blocks = _pair_blocks(kernel_map, chunk)
-    return blocks[:, 1:].contiguous(), blocks[:, 0].to(torch.int64)
+    per_offset = [math.ceil(count / chunk) for count in kernel_map.pair_counts]
+    starts = torch.tensor([0, *itertools.accumulate(per_offset)], dtype=torch.int32, device=blocks.device)
+    return blocks[:, 1:].contiguous(), starts
 
 
 @autotune(WGRAD_TILES, key=("dtype", "channels", "pairs"))
 def _wgrad(tile: WgradTile, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
+    """(K, C_in, C_out) in a's dtype: each chunk's product in fp32, then each offset's chunks summed."""
     in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)
-    chunks, owners = kernel_map.derived(("cutlass_chunks", tile.chunk), lambda m: _chunks(m, tile.chunk))
+    chunks, starts = kernel_map.derived(("cutlass_chunks", tile.chunk), lambda m: _chunks(m, tile.chunk))
     c_in, c_out = a.shape[1], b.shape[1]
     partial = torch.empty((chunks.shape[0], c_in, c_out), dtype=torch.float32, device=a.device)
-    kernel = _kernels(tile, a.dtype, a.device.index)["sc_chunks_atb"]
-    grid = (math.ceil(c_in / tile.block_m), math.ceil(c_out / tile.block_n), chunks.shape[0])
-    _launch(kernel, grid, a.device, a, b, in_idx, out_idx, chunks, partial, c_in, c_out)
-    dw = torch.zeros((kernel_map.kernel_volume, c_in, c_out), dtype=torch.float32, device=a.device)
-    return dw.index_add_(0, owners, partial)
+    dw = new_output((kernel_map.kernel_volume, c_in, c_out), a)
+    kernels = _kernels(tile, a.dtype, a.device.index)
+    product, total = kernels["sc_chunks_atb"], kernels["sc_chunks_sum"]
+    size = c_in * c_out
+    _launch_all(a.device, [
+        (product, (math.ceil(c_in / tile.block_m), math.ceil(c_out / tile.block_n), chunks.shape[0]),
+         (a, b, in_idx, out_idx, chunks, partial, c_in, c_out)),
+        (total, (math.ceil(size / (4 * total.threads)), kernel_map.kernel_volume, 1), (partial, starts, dw, size)),
+    ])
+    return dw
 
 
 def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor,
@@ -325,7 +306,7 @@ def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Te
         return a.new_zeros((kernel_map.kernel_volume, c_in, c_out))
     prefetch(a.dtype, a.device)
     return _wgrad(a, b, kernel_map, dtype=str(a.dtype), channels=f"{c_in}x{c_out}",
-                  pairs=f"{_size_bucket(kernel_map.num_pairs)}k{kernel_map.kernel_volume}").to(a.dtype)
+                  pairs=f"{_size_bucket(kernel_map.num_pairs)}k{kernel_map.kernel_volume}")
 
 
 # ---------------------------------------------------------------- registration ------------------

@@ -82,8 +82,7 @@ def kernels_of(module, device_index: int) -> dict[str, cutlass_gemm._Kernel]:
 
     kernels = cutlass_gemm.kernels_of(module, device_index, KERNELS, LAUNCH_INFO)
     with cupy.cuda.Device(device_index):  # CuPy loads a module's functions for the current device
-        kernels.update({name: cutlass_gemm._Kernel(module.get_function(name), PACK_THREADS, 0)
-                        for name in PACK_KERNELS})
+        kernels.update({name: cutlass_gemm.kernel_of(module, name, PACK_THREADS, 0) for name in PACK_KERNELS})
     return kernels
 
 
