@@ -101,7 +101,12 @@ def unavailable() -> str | None:
 
 def arch_of(device: torch.device) -> str:
     """'sm_90' for an H100/H200: the cubin is built for exactly the device's architecture."""
-    major, minor = torch.cuda.get_device_capability(device)
+    return _arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _arch(device_index: int) -> str:  # asked on every call of a CUTLASS product
+    major, minor = torch.cuda.get_device_capability(device_index)
     return f"sm_{major}{minor}"
 
 
