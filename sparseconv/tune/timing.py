@@ -3,9 +3,9 @@
 Medians, not means: one preempted run on a shared CPU or a clock ramp on a GPU moves a mean
 but not a median. Candidates whose medians are within ``CLOSE`` of the best are re-timed
 interleaved (A B C A B C ...), so a drift in machine state hits all of them alike before a
-winner is declared. Each sample also records the host time of issuing the calls: among
-candidates still within ``CLOSE`` of the best, the one that costs the host least wins, since a
-layer small enough for its GPU times to tie is one whose calls the host time can dominate.
+winner is declared. Each sample also records the host time of issuing the calls: the tuner
+ranks candidates by the longer of the two times (``tuner.cost``), and among those still within
+``CLOSE`` of the best the one that costs the host least wins.
 """
 
 from __future__ import annotations

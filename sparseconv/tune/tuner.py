@@ -155,9 +155,9 @@ class Tuner:
             if missing:
                 timings.update(self._sweep(namespace, problem, missing, a, b, kernel_map))
                 fresh = missing
-        ok = sorted((c for c in pool if (current(c) or {}).get("verdict") == "ok"), key=lambda c: timings[c.id]["ms"])
+        ok = sorted((c for c in pool if (current(c) or {}).get("verdict") == "ok"), key=lambda c: cost(timings[c.id]))
         if ok and len(ok) > 1 and fresh:
-            close = [c for c in ok if timings[c.id]["ms"] <= timings[ok[0].id]["ms"] * (1 + CLOSE)]
+            close = [c for c in ok if cost(timings[c.id]) <= cost(timings[ok[0].id]) * (1 + CLOSE)]
             if len(close) > 1 and any(c in fresh for c in close):
                 self._retime(namespace, problem, close, timings, a, b, kernel_map)
         if ok:
@@ -227,12 +227,18 @@ class Tuner:
         self.cache.put(namespace, encoded, entry)
 
 
+def cost(timing: Mapping) -> float:
+    """Milliseconds a call of a timed candidate costs where calls follow each other: its GPU time
+    or the host time of issuing it, whichever is longer (a small layer's calls are host-bound)."""
+    return max(timing["ms"], timing.get("host_ms") or 0.0)
+
+
 def pick(timings: Mapping[str, Mapping], ids: list[str]) -> str:
-    """The winner among the timed ``ids``: of those within CLOSE of the fastest median, the one
+    """The winner among the timed ``ids``: of those within CLOSE of the least :func:`cost`, the one
     with the least host time a call (entries stored before host times were kept count as costing
     the most), then the fastest."""
-    fastest = min(timings[i]["ms"] for i in ids)
-    close = [i for i in ids if timings[i]["ms"] <= fastest * (1 + CLOSE)]
+    cheapest = min(cost(timings[i]) for i in ids)
+    close = [i for i in ids if cost(timings[i]) <= cheapest * (1 + CLOSE)]
     return min(close, key=lambda i: (timings[i].get("host_ms", float("inf")), timings[i]["ms"]))
 
 

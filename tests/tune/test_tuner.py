@@ -144,6 +144,19 @@ def test_close_candidates_are_decided_by_host_time():
     assert pick({"a": {"ms": 1.0}, "b": {"ms": 1.02}}, ["b", "a"]) == "a"
 
 
+def test_a_call_costs_its_host_time_where_that_is_longer():
+    """A small layer: the GPU finishes one candidate's call sooner, but issuing it takes the host
+    longer than the other candidate's whole call, so back-to-back calls of the other run faster."""
+    from sparseconv.tune.tuner import cost, pick
+
+    timings = {"gpu_fast": {"ms": 0.030, "host_ms": 0.090}, "host_light": {"ms": 0.050, "host_ms": 0.040},
+               "large": {"ms": 2.0, "host_ms": 0.1}}
+    assert cost(timings["gpu_fast"]) == 0.090 and cost(timings["host_light"]) == 0.050
+    assert cost(timings["large"]) == 2.0 and cost({"ms": 0.2}) == 0.2
+    assert pick(timings, ["gpu_fast", "host_light"]) == "host_light"
+    assert pick({"a": {"ms": 1.0, "host_ms": 0.1}, "b": {"ms": 1.2, "host_ms": 0.05}}, ["b", "a"]) == "a"
+
+
 def test_when_every_listed_candidate_fails_explicit_gemm_runs(caplog):
     calls = Calls()
     with registered(wrong(calls), wrong(calls, "fake_broken", how="raise")):
