@@ -22,6 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ...coords.kernel_map import KernelMap
@@ -145,18 +146,26 @@ def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kerne
     kernels = _kernels(tile, a.dtype, out.device.index)
     # Packed on every call: W changes with every optimizer step, and packing 27 x 256 x 256 is a
     # few microseconds against the product's hundreds.
-    packed, counters, pack = pack_launch(kernels, forward, defines(tile, a.dtype), w, reduce, cols, len(groups))
+    packed, counters, pack = pack_launch(kernels, forward, _variant(tile, a.dtype), w, reduce, cols, len(groups))
     launches = [pack]
-    per_offset = packed.numel() // w.shape[0]
+    # A group's W tiles and tile counter by address: a view of each would cost the host more.
+    offset_bytes = packed.numel() // w.shape[0] * packed.element_size()
     product = kernels[KERNELS[0 if forward else 1]]
     for step, (lo, hi) in enumerate(groups):
         table, order, sources = cutlass_gemm.gather_table(kernel_map, forward, (lo, hi))
         offsets, counts = _group_lists(kernel_map, forward, tile.block_m, (lo, hi))
         # "No neighbour" is row ``sources`` of ``a``: the kernel writes its zeros without reading
         # it, so ``a`` needs no appended zero row.
-        launches.append((product, grid(counts.numel() * math.ceil(cols / tile.block_n), out.device.index), (a, packed[lo * per_offset:], table, order, offsets, counts, out, rows,
-                                         reduce, cols, sources, offsets.shape[1], int(step > 0), counters[step:])))
+        args = (a, np.uint64(packed.data_ptr() + lo * offset_bytes), table, order, offsets, counts, out, rows,
+                reduce, cols, sources, offsets.shape[1], int(step > 0), np.uint64(counters.data_ptr() + 4 * step))
+        launches.append((product, grid(counts.numel() * math.ceil(cols / tile.block_n), out.device.index), args))
     cutlass_gemm._launch_all(out.device, launches)
+
+
+@functools.cache
+def _variant(tile: Tile, dtype: torch.dtype) -> dict[str, int]:
+    """:func:`defines`, kept: every call asks it (read only)."""
+    return defines(tile, dtype)
 
 
 def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor,
@@ -169,10 +178,15 @@ def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, 
     if out.numel() == 0 or reduce == 0 or kernel_map.kernel_volume == 0:
         return out.zero_()
     prefetch(a.dtype)
-    groups = tuple(offset_groups(kernel_map.kernel_volume, int(params.get("splits", 1))))
+    groups = _groups(kernel_map.kernel_volume, int(params.get("splits", 1)))
     _rows(a, w, out, kernel_map, forward, groups, op=namespace, dtype=str(a.dtype), channels=f"{c_in}x{c_out}",
           rows=f"{cutlass_gemm._size_bucket(rows)}k{kernel_map.kernel_volume}", splits=len(groups))
     return out
+
+
+@functools.cache
+def _groups(kernel_volume: int, splits: int) -> tuple[tuple[int, int], ...]:
+    return tuple(offset_groups(kernel_volume, splits))
 
 
 def unsupported(problem: ConvProblem) -> str | None:
