@@ -14,6 +14,7 @@ benchmark scene (a submanifold 3^3 conv, the k2 s2 downsampling or its transpose
     python scripts/call_overhead.py --scene street1 --layer up2 --backends implicit_gemm mask_implicit_gemm
     python scripts/call_overhead.py --backends cutlass_sm90 --profile 200   # where the host time goes
     python scripts/call_overhead.py --scene street1 --layer up2 --channels 32 --backward --profile 20
+    python scripts/call_overhead.py --scene street1 --backends cutlass_sm90 cutlass_grouped cutlass_splitk_wgrad --launch-ab
 
 ``--backward`` times the tuned layer's backward instead: each backward product alone, the
 backward alone on a retained graph, forward+backward as bench_layers.py runs it, a dense
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import os
 import pstats
@@ -81,6 +83,9 @@ def main() -> None:
     parser.add_argument("--launch", action="store_true",
                         help="time one Triton launch of the mask kernel: through triton.jit's launcher, through the "
                              "compiled kernel it returns, beside a torch op and the whole pinned product")
+    parser.add_argument("--launch-ab", action="store_true",
+                        help="host time a call of each CUTLASS product of --backends, its kernels launched through the "
+                             "driver (cuda_launch, the library's path) and through CuPy's RawKernel call, alternately")
     parser.add_argument("--backward", action="store_true",
                         help="time the tuned layer's backward products, backward and forward+backward instead")
     args = parser.parse_args()
@@ -100,6 +105,8 @@ def main() -> None:
         return backward_rows(args, x, weight, kernel_map, problem, coords.to(device), feats)
     if args.launch:
         return launch_rows(args, x, weight, kernel_map, problem)
+    if args.launch_ab:
+        return launch_ab_rows(args, x, weight, kernel_map, problem)
     print(f"{torch.cuda.get_device_name()}: {args.scene} {args.dtype} C={c} {args.layer} forward, "
           f"{kernel_map.num_in}->{kernel_map.num_out} rows, {kernel_map.num_pairs} pairs; median of {args.repeats} (ms)")
     print("backend | host | events, idle GPU | events, host hidden")
@@ -262,6 +269,80 @@ def launch_rows(args, x: SparseTensor, weight, kernel_map, problem) -> None:
         "the product: dispatch pinned to mask_implicit_gemm": lambda: dispatch(
             "AB_gather_scatter", problem, "mask_implicit_gemm", a, w, kernel_map),
     }, args.repeats, args.profile)
+
+
+def cupy_launch_all(device: torch.device, launches: list) -> None:
+    """cutlass_gemm._launch_all as it was before cuda_launch (a787e18): CuPy's RawKernel call,
+    each argument converted to a NumPy scalar, inside CuPy's device and stream contexts."""
+    import cupy
+    import numpy as np
+
+    from sparseconv.ops.backends import cuda_launch
+
+    class Handle:
+        def __init__(self, handle: int) -> None:
+            self.handle = handle
+
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, self.handle)
+
+    handle = cuda_launch.current_stream(device.index)
+    stream = _CUPY_STREAMS.get(handle)
+    if stream is None:
+        with cupy.cuda.Device(device.index):
+            stream = _CUPY_STREAMS[handle] = (cupy.cuda.Stream.from_external(Handle(handle))
+                                              if hasattr(cupy.cuda.Stream, "from_external")
+                                              else cupy.cuda.ExternalStream(handle, device.index))
+    with cupy.cuda.Device(device.index), stream:
+        for kernel, grid, args in launches:
+            kernel.function(grid, (kernel.threads,), tuple(
+                np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a if isinstance(a, np.generic) else np.int32(a)
+                for a in args), shared_mem=kernel.shared_bytes)
+
+
+_CUPY_STREAMS: dict[int, object] = {}
+
+
+def launch_ab_rows(args, x: SparseTensor, weight, kernel_map, problem) -> None:
+    """Host µs a call (median of 15 rounds of 50 back-to-back calls behind a queued GPU sleep) of
+    each CUTLASS product, launched both ways, twice each, alternating."""
+    from sparseconv.ops.backends import cutlass_gemm, get
+
+    grad_out = torch.randn(kernel_map.num_out, weight.shape[2], device=weight.device, dtype=weight.dtype)
+    operands = {"AB_gather_scatter": (x.feats, weight), "ABt_gather_scatter": (grad_out, weight),
+                "AtB_gather_gather": (x.feats, grad_out)}
+    paths = {"CuPy RawKernel call": cupy_launch_all, "driver (cuda_launch)": cutlass_gemm._launch_all}
+    print(f"{torch.cuda.get_device_name()}: {args.scene} {args.dtype} C={args.channels} {args.layer}; host us a call")
+    print("product | launch path | host us (first) | host us (second)")
+    try:
+        for name in (n for n in args.backends if n.startswith("cutlass")):
+            backend = get(name)
+            for namespace in sorted(backend.ops):
+                a, b = operands[namespace]
+                call = functools.partial(backend.run, namespace, problem, {}, a, b, kernel_map)
+                times: dict[str, list[float]] = {path: [] for path in paths}
+                for _ in range(2):
+                    for path, launch_all in paths.items():
+                        cutlass_gemm._launch_all = launch_all
+                        call()
+                        torch.cuda.synchronize()
+                        times[path].append(_batched_host_us(call))
+                for path, (first, second) in times.items():
+                    print(f"{name} {namespace} | {path} | {first:.1f} | {second:.1f}", flush=True)
+    finally:
+        cutlass_gemm._launch_all = paths["driver (cuda_launch)"]
+
+
+def _batched_host_us(call, calls: int = 50, rounds: int = 15) -> float:
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda._sleep(5 * SLEEP_CYCLES)
+        begin = time.perf_counter()
+        for _ in range(calls):
+            call()
+        per_call.append(1e6 * (time.perf_counter() - begin) / calls)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
 
 
 def profile_backward(call, calls: int) -> None:
