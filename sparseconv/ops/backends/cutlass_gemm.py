@@ -128,13 +128,17 @@ def _launch(kernel: _Kernel, grid: tuple[int, int, int], device: torch.device, *
 def _launch_all(device: torch.device, launches: list[tuple[_Kernel, tuple[int, int, int], tuple]]) -> None:
     """Launch ``(kernel, grid, args)`` in order on torch's current stream of ``device``."""
     index = device.index
-    if torch.cuda.current_device() != index:  # the kernels' module is loaded in that device's context
-        with torch.cuda.device(index):
-            return _launch_all(device, launches)
+    if torch.cuda.current_device() == index:
+        _issue(index, launches)
+        return
+    with torch.cuda.device(index):  # the kernels' module is loaded in that device's context
+        _issue(index, launches)
+
+
+def _issue(index: int, launches: list[tuple[_Kernel, tuple[int, int, int], tuple]]) -> None:
     stream = cuda_launch.current_stream(index)
     for kernel, grid, args in launches:
         cuda_launch.launch(kernel.handle, grid, kernel.threads, kernel.shared_bytes, stream, args, index)
-    return None
 
 
 def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
