@@ -220,14 +220,15 @@ def _pairs(tile: Tile, a: torch.Tensor, w: torch.Tensor, kernel_map: KernelMap, 
     out = torch.zeros((rows, cols), dtype=torch.float32, device=a.device)
     kernel = _kernels(tile, a.dtype, out.device.index)["sc_pairs_ab" if forward else "sc_pairs_abt"]
     w_stride = w.shape[1] * w.shape[2] * w.element_size()
-    start = 0
+    w_at, gather_at, scatter_at = w.data_ptr(), gather.data_ptr(), scatter.data_ptr()
+    launches, start = [], 0
     for k, count in enumerate(kernel_map.pair_counts):
         if count:
             grid = (math.ceil(count / tile.block_m), math.ceil(cols / tile.block_n), 1)
-            _launch(kernel, grid, out.device, a, np.uint64(w.data_ptr() + k * w_stride),
-                    np.uint64(gather.data_ptr() + 4 * start), np.uint64(scatter.data_ptr() + 4 * start),
-                    out, count, reduce, cols)
+            launches.append((kernel, grid, (a, np.uint64(w_at + k * w_stride), np.uint64(gather_at + 4 * start),
+                                            np.uint64(scatter_at + 4 * start), out, count, reduce, cols)))
         start += count
+    _launch_all(out.device, launches)  # one device check and stream lookup for all the offsets
     return out
 
 
