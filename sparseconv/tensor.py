@@ -9,7 +9,7 @@ import torch
 
 from ._args import Triple, triple
 from .coords.cache import CoordinateCache
-from .coords.hashing import pack_coords, range_violation, unpack_keys
+from .coords.hashing import pack_coords, range_violation_of, unpack_keys
 
 DUPLICATE_MODES = ("error", "sum", "mean")
 
@@ -38,11 +38,12 @@ class SparseTensor:
         coords = _as_tensor(coords, "coords")
         feats = _as_tensor(feats, "feats")
         stride = triple(stride, "stride")
+        keys = None
         if validate:
-            coords, feats = _validated(coords, feats, stride, on_duplicate)
+            coords, feats, keys = _validated(coords, feats, stride, on_duplicate)
         self.feats = feats
         self.cache = CoordinateCache(coords.device)
-        self.coord_id = self.cache.add(coords.to(torch.int32).contiguous(), stride, canonical=True)
+        self.coord_id = self.cache.add(coords.to(torch.int32).contiguous(), stride, canonical=True, keys=keys)
 
     @classmethod
     def _derived(cls, feats: torch.Tensor, cache: CoordinateCache, coord_id: int) -> SparseTensor:
@@ -181,7 +182,8 @@ def _int3(value: Sequence[int], name: str) -> tuple[int, int, int]:
 
 def _validated(
     coords: torch.Tensor, feats: torch.Tensor, stride: Triple, on_duplicate: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(coords int32, feats, their packed keys or None), duplicates merged as ``on_duplicate`` says."""
     if coords.dim() != 2 or coords.shape[1] != 4:
         raise ValueError(f"coords must have shape (N, 4) as [batch, x, y, z], got {tuple(coords.shape)}")
     if coords.is_floating_point() or coords.is_complex() or coords.dtype == torch.bool:
@@ -203,30 +205,36 @@ def _validated(
     if on_duplicate not in DUPLICATE_MODES:
         raise ValueError(f"on_duplicate must be one of {DUPLICATE_MODES}, got {on_duplicate!r}")
     if coords.shape[0] == 0:
-        return coords.to(torch.int32), feats
-    if int(coords[:, 0].min()) < 0:
-        raise ValueError(f"coords: batch indices (column 0) must be >= 0, got {int(coords[:, 0].min())}")
-    problem = range_violation(coords)
+        return coords.to(torch.int32), feats, None
+    # Every check's statistic comes back in one transfer: one host sync for a new batch.
+    off_grid = [(coords[:, 1 + axis] % s != 0).any() for axis, s in enumerate(stride) if s > 1]
+    keys = pack_coords(coords)  # meaningless where out of range, and then not used
+    ordered = torch.sort(keys).values
+    repeated = (ordered[1:] == ordered[:-1]).any()
+    stats = torch.cat([coords.amin(0).long(), coords.amax(0).long(), torch.stack([repeated, *off_grid]).long()]).tolist()
+    lo, hi, (has_duplicates, *outside) = stats[:4], stats[4:8], stats[8:]
+    if lo[0] < 0:
+        raise ValueError(f"coords: batch indices (column 0) must be >= 0, got {lo[0]}")
+    problem = range_violation_of(lo, hi)
     if problem is not None:
         raise ValueError(f"coords out of the supported range: {problem}")
-    off_grid = (coords[:, 1:] % torch.tensor(stride, device=coords.device) != 0).any(dim=1)
-    if bool(off_grid.any()):
-        row = int(off_grid.nonzero()[0, 0])
+    if any(outside):
+        off = (coords[:, 1:] % torch.tensor(stride, device=coords.device) != 0).any(dim=1)
+        row = int(off.nonzero()[0, 0])
         raise ValueError(
             f"coords of a tensor at stride {stride} must be multiples of it along x, y, z; "
             f"row {row} is {coords[row].tolist()}"
         )
-    keys = pack_coords(coords)
+    if not has_duplicates:
+        return coords.to(torch.int32), feats, keys
     unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-    if unique.shape[0] == keys.shape[0]:
-        return coords.to(torch.int32), feats
     if on_duplicate == "error":
-        repeated = unpack_keys(unique[counts > 1][:1])[0].tolist()
+        repeated_row = unpack_keys(unique[counts > 1][:1])[0].tolist()
         raise ValueError(
-            f"coords has {keys.shape[0] - unique.shape[0]} duplicate rows (e.g. {repeated}); merge them "
+            f"coords has {keys.shape[0] - unique.shape[0]} duplicate rows (e.g. {repeated_row}); merge them "
             "with on_duplicate='sum' or 'mean'"
         )
     merged = feats.new_zeros((unique.shape[0], feats.shape[1])).index_add(0, inverse, feats)
     if on_duplicate == "mean":
         merged = merged / counts.to(merged.dtype)[:, None]
-    return unpack_keys(unique), merged
+    return unpack_keys(unique), merged, unique

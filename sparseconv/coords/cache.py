@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .hashing import CoordHashTable, pack_coords, range_violation, unpack_keys
+from .hashing import COORD_BITS, COORD_MIN, CoordHashTable, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
 
 
@@ -36,16 +36,20 @@ class CoordinateCache:
         self._sets: list[CoordSet] = []
         self._canonical: dict[Triple, int] = {}
         self._tables: dict[int, CoordHashTable] = {}
+        self._keys: dict[int, torch.Tensor] = {}
         self._maps: dict[KernelMapKey, tuple[KernelMap, int]] = {}
         self._moved: weakref.WeakValueDictionary[str, CoordinateCache] = weakref.WeakValueDictionary()
 
-    def add(self, coords: torch.Tensor, stride: Triple, canonical: bool) -> int:
-        """Register a coordinate set and return its id (canonical only if the stride has none yet)."""
+    def add(self, coords: torch.Tensor, stride: Triple, canonical: bool, keys: torch.Tensor | None = None) -> int:
+        """Register a coordinate set (and its packed keys, if known) and return its id (canonical
+        only if the stride has none yet)."""
         canonical = canonical and stride not in self._canonical
         self._sets.append(CoordSet(coords, stride, canonical))
         set_id = len(self._sets) - 1
         if canonical:
             self._canonical[stride] = set_id
+        if keys is not None:
+            self._keys[set_id] = keys
         return set_id
 
     @functools.cached_property
@@ -63,10 +67,17 @@ class CoordinateCache:
         """Id of the canonical coordinate set at ``stride``, if any tensor of the batch has one."""
         return self._canonical.get(stride)
 
+    def keys(self, set_id: int) -> torch.Tensor:
+        """(N,) int64 packed keys of a coordinate set (:func:`pack_coords`), made once."""
+        keys = self._keys.get(set_id)
+        if keys is None:
+            keys = self._keys[set_id] = pack_coords(self._sets[set_id].coords)
+        return keys
+
     def table(self, set_id: int) -> CoordHashTable:
         table = self._tables.get(set_id)
         if table is None:
-            table = self._tables[set_id] = CoordHashTable.build(self._sets[set_id].coords)
+            table = self._tables[set_id] = CoordHashTable.build(self._sets[set_id].coords, self.keys(set_id))
         return table
 
     def kernel_map(self, key: KernelMapKey) -> tuple[KernelMap, int]:
@@ -75,6 +86,10 @@ class CoordinateCache:
         if hit is None:
             hit = self._maps[key] = self._build(key)
         return hit
+
+    def kernel_maps(self) -> list[KernelMap]:
+        """Every kernel map built so far (a map found under two keys, e.g. a conv and a pool, once)."""
+        return list({id(m): m for m, _ in self._maps.values()}.values())
 
     def to(self, device: torch.device) -> CoordinateCache:
         """This cache's coordinate sets on ``device`` (same ids; maps are rebuilt there on demand)."""
@@ -96,13 +111,19 @@ class CoordinateCache:
     def _build(self, key: KernelMapKey) -> tuple[KernelMap, int]:
         source = self._sets[key.source]
         out_id = self._output_set(key, source)
+        if key.transposed and not key.generative and self._canonical.get(source.stride) == key.source:
+            # The transposed conv back onto the coordinates a strided conv came from: the adjoint
+            # of that conv's map (built now if the encoder has not built it), not a new query.
+            forward_key = KernelMapKey(out_id, key.kernel_size, key.stride, key.dilation, False, False)
+            strided, coarse_id = self.kernel_map(forward_key)
+            if coarse_id == key.source:
+                return strided.transposed(), out_id
         out = self._sets[out_id]
         # A transposed conv reads in[p - delta * dilation * s_out]: the adjoint of the regular
         # conv that maps its output coordinates onto its input coordinates.
-        step = [d * s for d, s in zip(key.dilation, out.stride if key.transposed else source.stride)]
-        sign = -1 if key.transposed else 1
-        offsets = offset_deltas(key.kernel_size) * torch.tensor(step, dtype=torch.int32) * sign
-        neighbors = self.table(key.source).neighbors(out.coords, offsets.to(self.device))
+        step = tuple(d * s for d, s in zip(key.dilation, out.stride if key.transposed else source.stride))
+        offsets = _offsets(key.kernel_size, step, -1 if key.transposed else 1, self.device)
+        neighbors = self.table(key.source).neighbors(out.coords, offsets)
         identity = center_offset(key.kernel_size) if out_id == key.source else None
         return KernelMap(neighbors, source.coords.shape[0], key.kernel_size, identity), out_id
 
@@ -133,7 +154,12 @@ class CoordinateCache:
             return key.source
         if source.canonical and out_stride in self._canonical:
             return self._canonical[out_stride]
-        step = torch.tensor((1, *out_stride), dtype=torch.int32, device=self.device)
+        if all(_power_of_two(s) and -COORD_MIN % s == 0 for s in out_stride):
+            # Floor-to-multiple of a power of two that divides the key's coordinate bias clears the
+            # low bits of each packed field: one AND, and the result stays in range.
+            coarse = torch.unique(self.keys(key.source) & _floor_mask(out_stride))
+            return self.add(unpack_keys(coarse), out_stride, canonical=source.canonical, keys=coarse)
+        step = _on_device((1, *out_stride), self.device)
         coarse = torch.div(source.coords, step, rounding_mode="floor") * step
         problem = range_violation(coarse)
         if problem is not None:
@@ -142,14 +168,13 @@ class CoordinateCache:
 
     def _generate(self, key: KernelMapKey, source: CoordSet, out_stride: Triple) -> int:
         """Every output-grid position with at least one input in its receptive field."""
-        deltas = offset_deltas(key.kernel_size).to(self.device)
         unit = out_stride if key.transposed else source.stride
-        step = torch.tensor([d * u for d, u in zip(key.dilation, unit)], dtype=torch.int32, device=self.device)
-        shift = deltas * step * (1 if key.transposed else -1)
+        step = tuple(d * u for d, u in zip(key.dilation, unit))
+        shift = _offsets(key.kernel_size, step, 1 if key.transposed else -1, self.device)
         xyz = (source.coords[:, None, 1:] + shift[None]).reshape(-1, 3)
         batch = source.coords[:, None, :1].expand(-1, shift.shape[0], 1).reshape(-1, 1)
         candidates = torch.cat([batch, xyz], dim=1)
-        on_grid = (xyz % torch.tensor(out_stride, dtype=torch.int32, device=self.device) == 0).all(dim=1)
+        on_grid = (xyz % _on_device(out_stride, self.device) == 0).all(dim=1)
         candidates = candidates[on_grid]
         problem = range_violation(candidates)
         if problem is not None:
@@ -160,3 +185,27 @@ class CoordinateCache:
 def _unique_rows(coords: torch.Tensor) -> torch.Tensor:
     """coords: (N, 4) int32 -> unique rows sorted by (batch, x, y, z), via packed int64 keys."""
     return unpack_keys(torch.unique(pack_coords(coords)))
+
+
+@functools.lru_cache(maxsize=512)
+def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A small int32 constant on ``device``, made once: each host-to-device copy of a fresh tensor
+    waits for the stream, which on a busy GPU stalls the host for the work queued before it."""
+    return torch.tensor(values, dtype=torch.int32).to(device)
+
+
+@functools.lru_cache(maxsize=512)
+def _offsets(kernel_size: Triple, step: Triple, sign: int, device: torch.device) -> torch.Tensor:
+    """(K, 3) int32 ``sign * delta * step`` on ``device`` (made once, see :func:`_on_device`)."""
+    return (offset_deltas(kernel_size) * torch.tensor(step, dtype=torch.int32) * sign).to(device)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@functools.cache
+def _floor_mask(stride: Triple) -> int:
+    """The int64 mask whose AND floors every coordinate field of a packed key to a multiple of ``stride``."""
+    low = sum((s - 1) << (COORD_BITS * (2 - axis)) for axis, s in enumerate(stride))
+    return ~low

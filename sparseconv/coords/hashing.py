@@ -27,8 +27,11 @@ def range_violation(coords: torch.Tensor) -> str | None:
     """coords: (N, 4) integer -> None if every row can be packed, else what is out of range."""
     if coords.shape[0] == 0:
         return None
-    lo = coords.amin(dim=0).tolist()
-    hi = coords.amax(dim=0).tolist()
+    return range_violation_of(coords.amin(dim=0).tolist(), coords.amax(dim=0).tolist())
+
+
+def range_violation_of(lo: list[int], hi: list[int]) -> str | None:
+    """:func:`range_violation` from the per-column minima and maxima [batch, x, y, z], read already."""
     if lo[0] < 0 or hi[0] > BATCH_MAX:
         return f"batch indices span [{lo[0]}, {hi[0]}], supported [0, {BATCH_MAX}]"
     if min(lo[1:]) < COORD_MIN or max(hi[1:]) > COORD_MAX:
@@ -181,8 +184,10 @@ class CoordHashTable:
     values: torch.Tensor
 
     @classmethod
-    def build(cls, coords: torch.Tensor) -> CoordHashTable:
-        """coords: (N, 4) int32 unique rows -> table mapping each row's key to its row index."""
+    def build(cls, coords: torch.Tensor, packed: torch.Tensor | None = None) -> CoordHashTable:
+        """coords: (N, 4) int32 unique rows -> table mapping each row's key to its row index.
+
+        packed: their (N,) int64 :func:`pack_coords` keys, if the caller has them already."""
         n = coords.shape[0]
         # Load factor <= 0.5 keeps linear-probe chains short (expected ~1.5 probes per hit).
         capacity = max(16, 1 << (2 * max(n, 1) - 1).bit_length())
@@ -190,7 +195,7 @@ class CoordHashTable:
         values = torch.full((capacity,), -1, dtype=torch.int32, device=coords.device)
         if n:
             wp, insert, _ = _kernels()
-            packed = pack_coords(coords).contiguous()
+            packed = (pack_coords(coords) if packed is None else packed).contiguous()
             _launch(
                 insert,
                 n,

@@ -58,6 +58,8 @@ class KernelMap:
     ``neighbors``: (N_out, K) int32, the input row feeding output row ``i`` through offset ``k``,
     or -1. ``identity_offset`` names an offset whose pairs are exactly ``(i, i)`` for every row
     (the centre of an odd submanifold kernel): backends may run it as a plain matmul.
+    Every view is built on the device without a host sync except :attr:`pair_counts` (one
+    transfer of K integers), which the views needing pair counts on the host share.
     """
 
     def __init__(
@@ -74,27 +76,60 @@ class KernelMap:
         self.kernel_volume = math.prod(kernel_size)
         self.identity_offset = identity_offset
         self._derived: dict[Hashable, object] = {}
+        self.transpose_of: KernelMap | None = None
+        """The map this one is the adjoint of (see :meth:`transposed`), or None if it was queried."""
+
+    def transposed(self) -> KernelMap:
+        """The adjoint map (inputs and outputs swapped, same offset index): a transposed conv's map
+        is the transpose of the strided conv that made its coordinates. It shares this map's
+        pairs and counts and has this map's table as its transposed table, so nothing is built twice."""
+        adjoint = KernelMap(self.transposed_neighbors, self.num_out, self.kernel_size, self.identity_offset)
+        adjoint.transpose_of = self
+        adjoint.__dict__["transposed_neighbors"] = self.neighbors
+        return adjoint
+
+    @functools.cached_property
+    def transposed_neighbors(self) -> torch.Tensor:
+        """(N_in, K) int32: the output row that input row ``j`` feeds through offset ``k``, or -1 (the
+        table dgrad walks). One scatter, no host sync: within an offset an input feeds at most one
+        output, so only the spare row that absent neighbours are sent to sees colliding writes."""
+        num_out, volume = self.neighbors.shape
+        table = torch.full((self.num_in + 1, volume), -1, dtype=torch.int32, device=self.neighbors.device)
+        target = torch.where(self.neighbors >= 0, self.neighbors, self.num_in).long()
+        rows = torch.arange(num_out, dtype=torch.int32, device=table.device).unsqueeze(1).expand(num_out, volume)
+        return table.scatter_(0, target, rows)[: self.num_in]
+
+    @functools.cached_property
+    def offset_counts(self) -> torch.Tensor:
+        """(K,) int64 pairs per offset, on the map's device (no host sync)."""
+        if self.transpose_of is not None:
+            return self.transpose_of.offset_counts
+        return (self.neighbors >= 0).sum(0)
+
+    @functools.cached_property
+    def pair_counts(self) -> list[int]:
+        """Number of (input, output) pairs per offset, length K, on the host (one sync per map)."""
+        return self.offset_counts.tolist()
 
     @functools.cached_property
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CSR by offset: ``in_idx (P,) int64``, ``out_idx (P,) int64``, ``offset_ptr (K+1,) int64``.
 
-        Pairs of offset ``k`` are ``[offset_ptr[k], offset_ptr[k+1])``, sorted by output row.
+        Pairs of offset ``k`` are ``[offset_ptr[k], offset_ptr[k+1])``, sorted by output row (by
+        input row for a :meth:`transposed` map, whose pairs are its source's swapped).
         """
-        by_offset = self.neighbors.t()
-        offset_idx, out_idx = (by_offset >= 0).nonzero(as_tuple=True)
-        in_idx = by_offset[offset_idx, out_idx].to(torch.int64)
-        counts = torch.bincount(offset_idx, minlength=self.kernel_volume)
-        offset_ptr = torch.zeros(self.kernel_volume + 1, dtype=torch.int64, device=counts.device)
-        torch.cumsum(counts, 0, out=offset_ptr[1:])
+        if self.transpose_of is not None:
+            in_idx, out_idx, offset_ptr = self.transpose_of.pairs
+            return out_idx, in_idx, offset_ptr
+        present = self.neighbors.t() >= 0
+        # The host already knows the pair count (pair_counts), so the compaction needs no sync.
+        offset_idx, out_idx = _nonzero(present, self.num_pairs).t().contiguous()  # kernels read them as flat arrays
+        in_idx = self.neighbors[out_idx, offset_idx].to(torch.int64)
+        offset_ptr = torch.zeros(self.kernel_volume + 1, dtype=torch.int64, device=present.device)
+        torch.cumsum(self.offset_counts, 0, out=offset_ptr[1:])
         return in_idx, out_idx, offset_ptr
 
     @functools.cached_property
-    def pair_counts(self) -> list[int]:
-        """Number of (input, output) pairs per offset, length K, on the host."""
-        return torch.diff(self.pairs[2]).tolist()
-
-    @property
     def num_pairs(self) -> int:
         return sum(self.pair_counts)
 
@@ -115,3 +150,11 @@ class KernelMap:
             f"KernelMap(num_in={self.num_in}, num_out={self.num_out}, "
             f"kernel_size={self.kernel_size}, identity_offset={self.identity_offset})"
         )
+
+
+def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """(count, mask.dim()) int64 indices of the True entries of ``mask`` (``count`` of them), in row-major order."""
+    try:
+        return torch.nonzero_static(mask, size=count)
+    except (NotImplementedError, RuntimeError):  # a device without nonzero_static: one more sync
+        return mask.nonzero()

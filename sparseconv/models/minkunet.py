@@ -21,7 +21,8 @@ class MinkUNet(nn.Module):
     four decoder stages (a k2/s2 transposed conv back onto the encoder's coordinates, channel
     concatenation with the encoder output of that stride, residual blocks), then a 1x1x1 conv.
     blocks: residual blocks per stage (4 encoder + 4 decoder); planes: their channels; width
-    multiplies every channel count (0.5 halves the model's width). The input must be the tensor
+    multiplies every channel count (0.5 halves the model's width); stem_convs: conv-norm-ReLUs in
+    the stem (TorchSparse's MinkUNet has two of kernel 3). The input must be the tensor
     built from the coordinates (or a conv of it at stride 1) so that the decoder lands on it.
     """
 
@@ -35,6 +36,7 @@ class MinkUNet(nn.Module):
         width: float = 1.0,
         stem_kernel_size: int = 5,
         norm: NormFactory = BatchNorm,
+        stem_convs: int = 1,
     ) -> None:
         super().__init__()
         if len(blocks) != 8 or len(planes) != 8:
@@ -44,9 +46,12 @@ class MinkUNet(nn.Module):
             )
         if not width > 0:
             raise ValueError(f"width must be > 0, got {width!r}")
+        if isinstance(stem_convs, bool) or not isinstance(stem_convs, int) or stem_convs < 1:
+            raise ValueError(f"stem_convs must be an int >= 1, got {stem_convs!r}")
         stem = scaled(stem_channels, width)
         planes = [scaled(c, width) for c in planes]
-        self.stem = conv_norm_relu(in_channels, stem, stem_kernel_size, norm=norm)
+        self.stem = Sequential(*(layer for i in range(stem_convs)
+                                 for layer in conv_norm_relu(in_channels if i == 0 else stem, stem, stem_kernel_size, norm=norm)))
         self.encoder = nn.ModuleList()
         channels = [stem]
         for depth, out in zip(blocks[:4], planes[:4]):

@@ -16,6 +16,10 @@ from .dispatch import Pin, check_algo, dispatch
 from .problem import ConvProblem
 
 
+MATMUL = "matmul"
+"""What ``record`` says for the products of a 1x1x1 stride-1 conv, which torch.mm computes."""
+
+
 @dataclass(frozen=True)
 class AlgoPins:
     """The user's algorithm pins for the three products (None: let the library choose)."""
@@ -82,6 +86,8 @@ def sparse_conv3d(
     tunes that backend's parameters), or a mode
     (auto / trimmed / all); None follows SPARSECONV_*_ALGO_MODE. ``record``, if given, receives
     the algorithm chosen for each product as it runs (forward now, dgrad and wgrad in backward).
+    A 1x1x1 kernel at stride 1 (not generative) is a plain ``torch.mm``: it builds no map, pins do
+    not apply, and ``record`` says ``"matmul"``.
     """
     if not isinstance(input, SparseTensor):
         raise TypeError(f"input must be a SparseTensor, got {type(input).__name__}")
@@ -102,6 +108,14 @@ def sparse_conv3d(
             f"input features' dtype {feats.dtype} (or run under torch.autocast)"
         )
 
+    if math.prod(kernel_size) == 1 and stride == (1, 1, 1) and not generative:
+        # Every row is its own only neighbour: a matmul on the same coordinates, no map, no tuner.
+        out = torch.mm(feats, weight[0])
+        if record is not None:
+            record["AB_gather_scatter"] = MATMUL
+            if out.requires_grad:
+                record.update({"ABt_gather_scatter": MATMUL, "AtB_gather_gather": MATMUL})
+        return SparseTensor._derived(out if bias is None else out + bias, input.cache, input.coord_id)
     key = KernelMapKey(input.coord_id, kernel_size, stride, dilation, bool(transposed), bool(generative))
     kernel_map, out_id = input.cache.kernel_map(key)
     layer = (weight.shape[1], weight.shape[2], kernel_size, stride, dilation, bool(transposed), bool(generative),

@@ -165,7 +165,7 @@ def _cpu_map(name: str):
 def test_grouped_gather_table_and_tile_offsets_match_the_neighbour_table(forward):
     kernel_map = _cpu_map("submanifold_k3")
     table, order, sources = cutlass_gemm.gather_table(kernel_map, forward)
-    plain = kernel_map.neighbors if forward else mask_triton.transposed_table(kernel_map)
+    plain = kernel_map.neighbors if forward else kernel_map.transposed_neighbors
     expected = plain[order.long()].t()
     assert torch.equal(table, torch.where(expected >= 0, expected, torch.full_like(expected, sources)))
     assert sorted(order.tolist()) == list(range(plain.shape[0]))

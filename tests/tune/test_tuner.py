@@ -243,8 +243,8 @@ def test_module_reports_the_algorithms_it_ran():
 
 
 def test_a_pool_of_only_the_reference_is_not_timed():
-    # A 1x1x1 kernel leaves grouping out of the auto pool on the CPU: explicit_gemm alone remains.
+    # A kernel of volume 2 leaves grouping out of the auto pool on the CPU: explicit_gemm alone remains.
     x = make_input(MODES[0], 4, "cpu", dtype=torch.float32)
     record = {}
-    sparse_conv3d(x, torch.randn(1, 4, 4), kernel_size=1, record=record)
+    sparse_conv3d(x, torch.randn(2, 4, 4), kernel_size=(1, 1, 2), record=record)
     assert record["AB_gather_scatter"] == "explicit_gemm" and entries() == []

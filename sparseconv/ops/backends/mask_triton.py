@@ -22,21 +22,10 @@ from . import triton_kernels as tk
 from .registry import Backend, register
 
 
-def transposed_table(kernel_map: KernelMap) -> torch.Tensor:
-    """(N_in, K) int32: the output row that input row i feeds through offset k, or -1."""
-    table = torch.full((kernel_map.num_in, kernel_map.kernel_volume), -1, dtype=torch.int32,
-                       device=kernel_map.neighbors.device)
-    in_idx, out_idx, offset_ptr = kernel_map.pairs
-    offsets = torch.repeat_interleave(torch.arange(kernel_map.kernel_volume, device=in_idx.device),
-                                      torch.diff(offset_ptr))
-    table[in_idx, offsets] = out_idx.to(torch.int32)
-    return table
-
-
 def product_table(kernel_map: KernelMap, forward: bool) -> torch.Tensor:
     """The neighbour table an output-stationary product walks: the map's own for forward,
     the transposed one for dgrad (rows are then input rows)."""
-    return kernel_map.neighbors if forward else kernel_map.derived("transposed_table", transposed_table)
+    return kernel_map.neighbors if forward else kernel_map.transposed_neighbors
 
 
 def offset_groups(kernel_volume: int, splits: int) -> list[tuple[int, int]]:

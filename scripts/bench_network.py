@@ -1,0 +1,401 @@
+"""Whole-network benchmark: MinkUNet (and the detection backbone) as users run them, ours beside
+spconv, spconv-triton and naive torch, in one run.
+
+Every pass builds a new SparseTensor from the scene's coordinates ("new": the kernel maps are
+built again, as when every batch brings new point clouds), or reuses one ("same": maps cached).
+The model is the TorchSparse++ MinkUNet: a stem of two submanifold 3^3 convs to 32 channels,
+four encoder stages [32, 64, 128, 256] of a k2 s2 conv and two residual blocks, four decoder
+stages [256, 128, 96, 96] of a k2 s2 transposed conv, a skip concatenation and two residual
+blocks, then a 1x1x1 head; weights in the benchmark dtype. "naive torch" is our network with
+every product pinned to explicit_gemm (gather, mm, scatter-add in torch).
+
+Columns, per scene, dtype and library (milliseconds unless named; medians of --repeats):
+  infer / step      inference (no_grad, eval) and one training step (forward, cross-entropy,
+                    backward, SGD), new coordinates every pass
+  infer= / step=    the same with the coordinates (and, for ours and spconv, the maps) reused
+  host / gpu        inference, new coordinates: host time until the call returns, and the
+                    kernels' summed device time (torch.profiler)
+  peak GB           peak allocated memory of a training step, new coordinates
+  first / 1st step  the first inference and the first training step in this process (ours:
+                    the tuner's sweeps and kernel compiles; empty tuning cache unless
+                    SPARSECONV_CACHE_DIR points at a filled one)
+  maps / syncs      kernel maps a pass queries (a transposed conv's map is the transpose of
+                    its strided conv's, not queried); host syncs torch reports in one new-coordinate
+                    inference (torch.cuda.set_sync_debug_mode), ours only
+A second table times one kernel-map build alone (forward on a fresh tensor minus the same
+forward with the map cached, one 16-channel conv, as for every library).
+
+    python scripts/bench_network.py                                   # 3 scenes x fp16, bf16 (minutes)
+    python scripts/bench_network.py --scenes street1 --dtypes float16 --peers spconv
+    python scripts/bench_network.py --device cpu --scale 0.05 --repeats 2 --peers naive   # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from anchors import anchor_tensor, import_anchor  # noqa: E402
+from bench_layers import SCENES, scene_coords  # noqa: E402
+
+import sparseconv  # noqa: E402
+from sparseconv.models import MinkUNet  # noqa: E402
+from sparseconv.nn import SparseConv3d  # noqa: E402
+
+PEERS = ("spconv", "spconv_triton", "naive")
+NUM_CLASSES = 20
+IN_CHANNELS = 4
+NAIVE_PINS = {"fwd_algo": "explicit_gemm", "dgrad_algo": "explicit_gemm", "wgrad_algo": "explicit_gemm"}
+
+
+def ours_model(pins: dict | None = None) -> nn.Module:
+    net = MinkUNet(IN_CHANNELS, NUM_CLASSES, stem_kernel_size=3, stem_convs=2)
+    for module in net.modules():
+        if pins and isinstance(module, SparseConv3d):
+            module.pins = type(module.pins).checked(pins["fwd_algo"], pins["dgrad_algo"], pins["wgrad_algo"])
+    return net
+
+
+class AnchorMinkUNet(nn.Module):
+    """The same network in spconv's API (spconv-triton shares it): indice keys name each map so the
+    decoder's inverse convs reuse the encoder's maps, as spconv users write it."""
+
+    def __init__(self, spc, planes=(32, 64, 128, 256, 256, 128, 96, 96), stem=32):
+        super().__init__()
+        self.spc = spc
+
+        def cbr(conv, c):
+            return spc.SparseSequential(conv, nn.BatchNorm1d(c), nn.ReLU(inplace=True))
+
+        self.stem = spc.SparseSequential(cbr(spc.SubMConv3d(IN_CHANNELS, stem, 3, bias=False, indice_key="s0"), stem),
+                                         cbr(spc.SubMConv3d(stem, stem, 3, bias=False, indice_key="s0"), stem))
+        self.down, self.enc = nn.ModuleList(), nn.ModuleList()
+        channels, c = [stem], stem
+        for i, out in enumerate(planes[:4]):
+            self.down.append(cbr(spc.SparseConv3d(c, c, 2, 2, bias=False, indice_key=f"d{i}"), c))
+            self.enc.append(nn.ModuleList([AnchorBlock(spc, c, out, f"s{i + 1}"), AnchorBlock(spc, out, out, f"s{i + 1}")]))
+            c = out
+            channels.append(c)
+        self.up, self.dec = nn.ModuleList(), nn.ModuleList()
+        for i, out in enumerate(planes[4:]):
+            level = 3 - i
+            skip = channels[level]
+            self.up.append(cbr(spc.SparseInverseConv3d(c, out, 2, indice_key=f"d{level}", bias=False), out))
+            self.dec.append(nn.ModuleList([AnchorBlock(spc, out + skip, out, f"s{level}"),
+                                           AnchorBlock(spc, out, out, f"s{level}")]))
+            c = out
+        self.head = spc.SubMConv3d(c, NUM_CLASSES, 1, indice_key="head")
+
+    def forward(self, x):
+        skips = [self.stem(x)]
+        for down, blocks in zip(self.down, self.enc):
+            y = down(skips[-1])
+            for block in blocks:
+                y = block(y)
+            skips.append(y)
+        y = skips.pop()
+        for up, blocks in zip(self.up, self.dec):
+            u = up(y)
+            y = u.replace_feature(torch.cat([u.features, skips.pop().features], 1))
+            for block in blocks:
+                y = block(y)
+        return self.head(y)
+
+
+class AnchorBlock(nn.Module):
+    def __init__(self, spc, c_in, c_out, key):
+        super().__init__()
+        self.conv1 = spc.SubMConv3d(c_in, c_out, 3, bias=False, indice_key=key)
+        self.bn1 = nn.BatchNorm1d(c_out)
+        self.conv2 = spc.SubMConv3d(c_out, c_out, 3, bias=False, indice_key=key)
+        self.bn2 = nn.BatchNorm1d(c_out)
+        self.shortcut = None if c_in == c_out else spc.SubMConv3d(c_in, c_out, 1, bias=False, indice_key=key + "p")
+        self.bn_s = None if c_in == c_out else nn.BatchNorm1d(c_out)
+
+    def forward(self, x):
+        y = self.conv1(x)
+        y = y.replace_feature(torch.relu(self.bn1(y.features)))
+        y = self.conv2(y)
+        skip = x.features if self.shortcut is None else self.bn_s(self.shortcut(x).features)
+        return y.replace_feature(torch.relu(self.bn2(y.features) + skip))
+
+
+class Runner:
+    """One library's network on one scene: how to make its input and read its logits."""
+
+    def __init__(self, name: str, coords: torch.Tensor, dtype: torch.dtype, device: torch.device):
+        self.name, self.coords, self.device = name, coords, device
+        self.feats = torch.randn(len(coords), IN_CHANNELS, device=device, dtype=dtype)
+        self.labels = torch.randint(0, NUM_CLASSES, (len(coords),), device=device)
+        if name in ("ours", "naive"):
+            self.net = ours_model(NAIVE_PINS if name == "naive" else None).to(device, dtype)
+        else:
+            self.spc = import_anchor(name)
+            if isinstance(self.spc, str):
+                raise RuntimeError(self.spc)
+            self.net = AnchorMinkUNet(self.spc).to(device, dtype)
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3)
+        self._same = None
+
+    def make_input(self, same: bool):
+        if same and self._same is not None:
+            return self._same
+        if self.name in ("ours", "naive"):
+            x = sparseconv.SparseTensor(self.coords, self.feats)
+        else:
+            x = anchor_tensor(self.spc, self.coords, self.feats)
+        if same:
+            self._same = x
+        return x
+
+    def logits(self, out) -> torch.Tensor:
+        return out.feats if self.name in ("ours", "naive") else out.features
+
+    def infer(self, same: bool = False) -> None:
+        self.net.eval()
+        with torch.no_grad():
+            out = self.net(self.make_input(same))
+        if same and self.name not in ("ours", "naive"):
+            self._same.indice_dict = subm_maps(out)
+
+    def step(self, same: bool = False) -> None:
+        self.net.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.net(self.make_input(same))
+        if same and self.name not in ("ours", "naive"):
+            self._same.indice_dict = subm_maps(out)
+        loss = nn.functional.cross_entropy(self.logits(out).float(), self.labels)
+        loss.backward()
+        self.optimizer.step()
+
+
+def subm_maps(out) -> dict:
+    """The submanifold maps of a spconv pass, kept for the next one (spconv reuses only those)."""
+    return {key: data for key, data in out.indice_dict.items() if getattr(data, "is_subm", False)}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
+    """(median wall ms, median host ms until ``fn`` returned) over ``repeats`` passes after one warm-up."""
+    fn()
+    walls, hosts = [], []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        issued = time.perf_counter()
+        sync(device)
+        walls.append(time.perf_counter() - start)
+        hosts.append(issued - start)
+    return 1e3 * statistics.median(walls), 1e3 * statistics.median(hosts)
+
+
+def first_call_ms(fn, device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return 1e3 * (time.perf_counter() - start)
+
+
+def gpu_ms(fn, device: torch.device) -> float | str:
+    if device.type != "cuda":
+        return "-"
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
+def peak_gb(fn, device: torch.device) -> float | str:
+    if device.type != "cuda":
+        return "-"
+    sync(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def count_syncs(fn, device: torch.device) -> int | str:
+    if device.type != "cuda":
+        return "-"
+    return sum(sync_sites(fn).values())
+
+
+def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
+    try:
+        runner = Runner(name, coords, dtype, device)
+        row = {"first": first_call_ms(runner.infer, device), "1st step": first_call_ms(runner.step, device)}
+        row["infer"], row["host"] = timed(runner.infer, device, repeats)
+        row["step"], _ = timed(runner.step, device, repeats)
+        row["infer="], _ = timed(lambda: runner.infer(same=True), device, repeats)
+        row["step="], _ = timed(lambda: runner.step(same=True), device, repeats)
+        row["gpu"] = gpu_ms(runner.infer, device)
+        row["peak GB"] = peak_gb(runner.step, device)
+        if name == "ours":
+            x = runner.make_input(False)
+            with torch.no_grad():
+                runner.net.eval()(x)
+            row["maps"] = sum(m.transpose_of is None for m in x.cache.kernel_maps())
+            row["syncs"] = count_syncs(runner.infer, device)
+        return row
+    except Exception as error:  # noqa: BLE001 - a peer that cannot run a case is reported as n/a
+        return {"error": f"n/a ({type(error).__name__}: {str(error)[:60]})"}
+
+
+def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> float | str:
+    """One conv (16 -> 16 channels) on a fresh tensor minus the same conv with its map cached."""
+    feats = torch.randn(len(coords), 16, device=device)
+    try:
+        if name == "ours":
+            conv = SparseConv3d(16, 16, 3 if layer == "subm3" else 2, 1 if layer == "subm3" else 2).to(device)
+
+            def fresh():
+                conv(sparseconv.SparseTensor(coords, feats))
+
+            cached_x = sparseconv.SparseTensor(coords, feats)
+            conv(cached_x)
+
+            def cached():
+                conv(cached_x)
+        else:
+            spc = import_anchor(name)
+            if isinstance(spc, str):
+                return spc
+            if layer == "subm3":
+                conv = spc.SubMConv3d(16, 16, 3, bias=False, indice_key="k").to(device)
+            else:
+                conv = spc.SparseConv3d(16, 16, 2, 2, bias=False, indice_key="k").to(device)
+            template = anchor_tensor(spc, coords, feats)
+
+            def fresh():
+                conv(spc.SparseConvTensor(feats, template.indices, template.spatial_shape, template.batch_size))
+
+            keep = conv(template)
+            cached_x = spc.SparseConvTensor(feats, template.indices, template.spatial_shape, template.batch_size)
+            cached_x.indice_dict = keep.indice_dict
+
+            def cached():
+                conv(cached_x)
+        with torch.no_grad():
+            return max(0.0, timed(fresh, device, repeats)[0] - timed(cached, device, repeats)[0])
+    except Exception as error:  # noqa: BLE001
+        return f"n/a ({type(error).__name__})"
+
+
+def profile_ours(coords, dtype, device) -> None:
+    """Where one new-coordinate inference of ours spends its host time (cProfile, then torch.profiler)."""
+    runner = Runner("ours", coords, dtype, device)
+    for _ in range(3):
+        runner.infer()
+    sync(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    runner.infer()
+    sync(device)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats("sparseconv", 45)
+    print(text.getvalue())
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        runner.infer()
+        sync(device)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
+    if device.type == "cuda":
+        print("host syncs of one new-coordinate inference, by the line that caused them:")
+        for site, count in sync_sites(runner.infer).most_common():
+            print(f"  {count:4d}  {site}")
+
+
+def sync_sites(fn) -> collections.Counter:
+    """Where ``fn``'s host syncs happen: file:line of the Python frame that caused each one."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return "-" if value is None else str(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenes", nargs="+", default=list(SCENES), choices=list(SCENES))
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
+    parser.add_argument("--profile", action="store_true", help="profile one new-coordinate inference of ours first")
+    parser.add_argument("--no-maps", dest="maps", action="store_false", help="skip the map-build table")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}; torch {torch.__version__}; median of {args.repeats} passes (ms); "
+          f"tuning cache {os.environ['SPARSECONV_CACHE_DIR']}")
+    libraries = ["ours", *args.peers]
+    scenes = {scene: scene_coords(scene, args.scale).to(device) for scene in args.scenes}
+    if args.profile:
+        profile_ours(scenes[args.scenes[0]], getattr(torch, args.dtypes[0]), device)
+    columns = ["infer", "step", "infer=", "step=", "host", "gpu", "peak GB", "first", "1st step", "maps", "syncs"]
+    print("| scene | N | dtype | library | " + " | ".join(columns) + " |")
+    print("|---" * (4 + len(columns)) + "|")
+    speedups = []
+    for scene, coords in scenes.items():
+        for dtype_name in args.dtypes:
+            rows = {}
+            for library in libraries:
+                rows[library] = row = run_network(library, coords, getattr(torch, dtype_name), device, args.repeats)
+                cells = [row["error"]] if "error" in row else [fmt(row.get(c)) for c in columns]
+                print(f"| {scene} | {len(coords)} | {dtype_name} | {library} | " + " | ".join(cells) + " |", flush=True)
+            anchor = rows.get("spconv", {})
+            if "infer" in anchor and "infer" in rows["ours"]:
+                speedups.append((scene, dtype_name, anchor["infer"] / rows["ours"]["infer"],
+                                 anchor["step"] / rows["ours"]["step"], rows["ours"]["peak GB"], anchor["peak GB"]))
+    for scene, dtype_name, infer, step, ours_gb, their_gb in speedups:
+        print(f"{scene} {dtype_name}: ours over spconv, new coordinates: inference {infer:.2f}x, "
+              f"training step {step:.2f}x; peak memory {fmt(ours_gb)} vs {fmt(their_gb)} GB")
+    if args.maps:
+        print("\nkernel-map build alone (ms): one 16-channel conv on a fresh tensor minus the same conv with its map cached")
+        map_libraries = ["ours", *(p for p in args.peers if p != "naive")]
+        print("| scene | N | map | " + " | ".join(map_libraries) + " |")
+        print("|---" * (3 + len(map_libraries)) + "|")
+        for scene, coords in scenes.items():
+            for layer in ("subm3", "down2"):
+                cells = [fmt(map_build_ms(lib, coords, device, args.repeats, layer)) for lib in map_libraries]
+                print(f"| {scene} | {len(coords)} | {layer} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
