@@ -22,8 +22,9 @@ Columns, per scene, dtype and library (milliseconds unless named; medians of --r
   maps / syncs      kernel maps a pass queries (a transposed conv's map is the transpose of
                     its strided conv's, not queried); host syncs torch reports in one new-coordinate
                     inference (torch.cuda.set_sync_debug_mode), ours only
-A second table times one kernel-map build alone (forward on a fresh tensor minus the same
-forward with the map cached, one 16-channel conv, as for every library).
+A second table times map building: for subm3, a 16-channel conv on a fresh tensor minus the
+same conv with its map cached; for down2 (k2 s2), the whole fresh conv, since spconv cannot
+reuse a strided conv's map.
 
     python scripts/bench_network.py                                   # 3 scenes x fp16, bf16 (minutes)
     python scripts/bench_network.py --scenes street1 --dtypes float16 --peers spconv
@@ -73,31 +74,33 @@ class AnchorMinkUNet(nn.Module):
     """The same network in spconv's API (spconv-triton shares it): indice keys name each map so the
     decoder's inverse convs reuse the encoder's maps, as spconv users write it."""
 
-    def __init__(self, spc, planes=(32, 64, 128, 256, 256, 128, 96, 96), stem=32):
+    def __init__(self, spc, planes=(32, 64, 128, 256, 256, 128, 96, 96), stem=32, algo=None):
         super().__init__()
         self.spc = spc
+        extra = {} if algo is None else {"algo": algo}
 
         def cbr(conv, c):
             return spc.SparseSequential(conv, nn.BatchNorm1d(c), nn.ReLU(inplace=True))
 
-        self.stem = spc.SparseSequential(cbr(spc.SubMConv3d(IN_CHANNELS, stem, 3, bias=False, indice_key="s0"), stem),
-                                         cbr(spc.SubMConv3d(stem, stem, 3, bias=False, indice_key="s0"), stem))
+        self.stem = spc.SparseSequential(cbr(spc.SubMConv3d(IN_CHANNELS, stem, 3, bias=False, indice_key="s0", **extra), stem),
+                                         cbr(spc.SubMConv3d(stem, stem, 3, bias=False, indice_key="s0", **extra), stem))
         self.down, self.enc = nn.ModuleList(), nn.ModuleList()
         channels, c = [stem], stem
         for i, out in enumerate(planes[:4]):
-            self.down.append(cbr(spc.SparseConv3d(c, c, 2, 2, bias=False, indice_key=f"d{i}"), c))
-            self.enc.append(nn.ModuleList([AnchorBlock(spc, c, out, f"s{i + 1}"), AnchorBlock(spc, out, out, f"s{i + 1}")]))
+            self.down.append(cbr(spc.SparseConv3d(c, c, 2, 2, bias=False, indice_key=f"d{i}", **extra), c))
+            self.enc.append(nn.ModuleList([AnchorBlock(spc, c, out, f"s{i + 1}", extra),
+                                           AnchorBlock(spc, out, out, f"s{i + 1}", extra)]))
             c = out
             channels.append(c)
         self.up, self.dec = nn.ModuleList(), nn.ModuleList()
         for i, out in enumerate(planes[4:]):
             level = 3 - i
             skip = channels[level]
-            self.up.append(cbr(spc.SparseInverseConv3d(c, out, 2, indice_key=f"d{level}", bias=False), out))
-            self.dec.append(nn.ModuleList([AnchorBlock(spc, out + skip, out, f"s{level}"),
-                                           AnchorBlock(spc, out, out, f"s{level}")]))
+            self.up.append(cbr(spc.SparseInverseConv3d(c, out, 2, indice_key=f"d{level}", bias=False, **extra), out))
+            self.dec.append(nn.ModuleList([AnchorBlock(spc, out + skip, out, f"s{level}", extra),
+                                           AnchorBlock(spc, out, out, f"s{level}", extra)]))
             c = out
-        self.head = spc.SubMConv3d(c, NUM_CLASSES, 1, indice_key="head")
+        self.head = spc.SubMConv3d(c, NUM_CLASSES, 1, indice_key="head", **extra)
 
     def forward(self, x):
         skips = [self.stem(x)]
@@ -116,13 +119,13 @@ class AnchorMinkUNet(nn.Module):
 
 
 class AnchorBlock(nn.Module):
-    def __init__(self, spc, c_in, c_out, key):
+    def __init__(self, spc, c_in, c_out, key, extra):
         super().__init__()
-        self.conv1 = spc.SubMConv3d(c_in, c_out, 3, bias=False, indice_key=key)
+        self.conv1 = spc.SubMConv3d(c_in, c_out, 3, bias=False, indice_key=key, **extra)
         self.bn1 = nn.BatchNorm1d(c_out)
-        self.conv2 = spc.SubMConv3d(c_out, c_out, 3, bias=False, indice_key=key)
+        self.conv2 = spc.SubMConv3d(c_out, c_out, 3, bias=False, indice_key=key, **extra)
         self.bn2 = nn.BatchNorm1d(c_out)
-        self.shortcut = None if c_in == c_out else spc.SubMConv3d(c_in, c_out, 1, bias=False, indice_key=key + "p")
+        self.shortcut = None if c_in == c_out else spc.SubMConv3d(c_in, c_out, 1, bias=False, indice_key=key + "p", **extra)
         self.bn_s = None if c_in == c_out else nn.BatchNorm1d(c_out)
 
     def forward(self, x):
@@ -136,7 +139,7 @@ class AnchorBlock(nn.Module):
 class Runner:
     """One library's network on one scene: how to make its input and read its logits."""
 
-    def __init__(self, name: str, coords: torch.Tensor, dtype: torch.dtype, device: torch.device):
+    def __init__(self, name: str, coords: torch.Tensor, dtype: torch.dtype, device: torch.device, native: bool = False):
         self.name, self.coords, self.device = name, coords, device
         self.feats = torch.randn(len(coords), IN_CHANNELS, device=device, dtype=dtype)
         self.labels = torch.randint(0, NUM_CLASSES, (len(coords),), device=device)
@@ -146,7 +149,7 @@ class Runner:
             self.spc = import_anchor(name)
             if isinstance(self.spc, str):
                 raise RuntimeError(self.spc)
-            self.net = AnchorMinkUNet(self.spc).to(device, dtype)
+            self.net = AnchorMinkUNet(self.spc, algo=self.spc.ConvAlgo.Native if native else None).to(device, dtype)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3)
         self._same = None
 
@@ -242,9 +245,9 @@ def count_syncs(fn, device: torch.device) -> int | str:
     return sum(sync_sites(fn).values())
 
 
-def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
+def run_network(name: str, coords, dtype, device, repeats: int, native: bool = False) -> dict:
     try:
-        runner = Runner(name, coords, dtype, device)
+        runner = Runner(name, coords, dtype, device, native)
         row = {"first": first_call_ms(runner.infer, device), "1st step": first_call_ms(runner.step, device)}
         row["infer"], row["host"] = timed(runner.infer, device, repeats)
         row["step"], _ = timed(runner.step, device, repeats)
@@ -260,7 +263,12 @@ def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
             row["syncs"] = count_syncs(runner.infer, device)
         return row
     except Exception as error:  # noqa: BLE001 - a peer that cannot run a case is reported as n/a
-        return {"error": f"n/a ({type(error).__name__}: {str(error)[:60]})"}
+        if name in ("spconv", "spconv_triton") and not native:
+            # spconv's default (mask implicit GEMM) has failed on some shapes; a user would then
+            # pick its Native algorithm, so report that, marked.
+            print(f"{name}: {type(error).__name__}: {str(error)[:400]}; retrying with ConvAlgo.Native", flush=True)
+            return {**run_network(name, coords, dtype, device, repeats, native=True), "note": "native"}
+        return {"error": f"n/a ({type(error).__name__}: {str(error)[:80]})"}
 
 
 def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> float | str:
@@ -293,41 +301,74 @@ def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> float |
 
             keep = conv(template)
             cached_x = spc.SparseConvTensor(feats, template.indices, template.spatial_shape, template.batch_size)
-            cached_x.indice_dict = keep.indice_dict
+            cached_x.indice_dict = subm_maps(keep)
 
             def cached():
                 conv(cached_x)
         with torch.no_grad():
+            if layer != "subm3":  # spconv cannot reuse a strided conv's map: time the whole fresh conv
+                return timed(fresh, device, repeats)[0]
             return max(0.0, timed(fresh, device, repeats)[0] - timed(cached, device, repeats)[0])
     except Exception as error:  # noqa: BLE001
         return f"n/a ({type(error).__name__})"
 
 
 def profile_ours(coords, dtype, device) -> None:
-    """Where one new-coordinate inference of ours spends its host time (cProfile, then torch.profiler)."""
+    """Where ours spends host time: per pass kind (inference with new coordinates, inference and
+    training step with the same ones), the torch ops each line of sparseconv issues (count,
+    launches, host ms), then the host syncs by line."""
     runner = Runner("ours", coords, dtype, device)
-    for _ in range(3):
-        runner.infer()
+    passes = {"infer new": runner.infer, "infer same": lambda: runner.infer(same=True),
+              "step same": lambda: runner.step(same=True), "step new": runner.step}
+    for fn in passes.values():
+        for _ in range(3):
+            fn()
     sync(device)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    runner.infer()
-    sync(device)
-    profiler.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats("sparseconv", 45)
-    print(text.getvalue())
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        runner.infer()
-        sync(device)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
+    for label, fn in passes.items():
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+            fn()
+            sync(device)
+        sites: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0])
+        events = prof.events()
+        for event in events:
+            if not event.name.startswith("aten::") or (event.cpu_parent is not None and event.cpu_parent.name.startswith("aten::")):
+                continue
+            site = sites[f"{_caller(event)}  {event.name}"]
+            site[0] += 1
+            site[1] += _launches(event)
+            site[2] += event.cpu_time_total / 1e3
+        total_launches = sum(e.name in LAUNCHES for e in events)
+        print(f"\n{label}: {total_launches} launches; top torch-op sites by host ms (count, launches, ms)")
+        for site, (count, launches, ms) in sorted(sites.items(), key=lambda kv: -kv[1][2])[:40]:
+            print(f"  {count:5d} {launches:5d} {ms:8.2f}  {site}")
     if device.type == "cuda":
         print("host syncs of one new-coordinate inference, by the line that caused them:")
         for site, count in sync_sites(runner.infer).most_common():
             print(f"  {count:4d}  {site}")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    runner.step()
+    sync(device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(35)
+    print("cProfile of one training step, new coordinates\n" + text.getvalue())
+
+
+LAUNCHES = {"cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemsetAsync"}
+
+
+def _caller(event) -> str:
+    """The innermost sparseconv line (a Python-function event of with_stack) above ``event``."""
+    parent = event.cpu_parent
+    while parent is not None and "sparseconv/" not in parent.name:
+        parent = parent.cpu_parent
+    return parent.name.split("sparseconv/", 1)[1] if parent is not None else "(outside sparseconv)"
+
+
+def _launches(event) -> int:
+    return sum(child.name in LAUNCHES or _launches(child) for child in event.cpu_children) if event.cpu_children else 0
 
 
 def sync_sites(fn) -> collections.Counter:
@@ -378,7 +419,8 @@ def main() -> None:
             for library in libraries:
                 rows[library] = row = run_network(library, coords, getattr(torch, dtype_name), device, args.repeats)
                 cells = [row["error"]] if "error" in row else [fmt(row.get(c)) for c in columns]
-                print(f"| {scene} | {len(coords)} | {dtype_name} | {library} | " + " | ".join(cells) + " |", flush=True)
+                label = library + (" (native)" if row.get("note") == "native" else "")
+                print(f"| {scene} | {len(coords)} | {dtype_name} | {label} | " + " | ".join(cells) + " |", flush=True)
             anchor = rows.get("spconv", {})
             if "infer" in anchor and "infer" in rows["ours"]:
                 speedups.append((scene, dtype_name, anchor["infer"] / rows["ours"]["infer"],
@@ -387,7 +429,8 @@ def main() -> None:
         print(f"{scene} {dtype_name}: ours over spconv, new coordinates: inference {infer:.2f}x, "
               f"training step {step:.2f}x; peak memory {fmt(ours_gb)} vs {fmt(their_gb)} GB")
     if args.maps:
-        print("\nkernel-map build alone (ms): one 16-channel conv on a fresh tensor minus the same conv with its map cached")
+        print("\nkernel-map build (ms): subm3, one 16-channel conv on a fresh tensor minus the same conv with its map "
+              "cached; down2, the whole 16-channel k2 s2 conv on a fresh tensor (spconv cannot reuse its map)")
         map_libraries = ["ours", *(p for p in args.peers if p != "naive")]
         print("| scene | N | map | " + " | ".join(map_libraries) + " |")
         print("|---" * (3 + len(map_libraries)) + "|")

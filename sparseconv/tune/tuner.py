@@ -20,6 +20,7 @@ from .. import config
 from ..coords.kernel_map import KernelMap
 from ..ops.backends import registry
 from ..ops.problem import ConvProblem
+from ..precision import accumulator_dtype
 from .cache import TuneCache
 from .configs import Candidate
 from .distributed import agree
@@ -47,15 +48,17 @@ def guard_tolerance(dtype: torch.dtype, device: torch.device) -> float:
     return GUARD_TOLERANCE.get(dtype, 1e-5)
 
 
-def check_output(out: object, reference: torch.Tensor) -> str | None:
-    """None if ``out`` passes the numeric guard against ``reference``, else why it fails."""
-    if not isinstance(out, torch.Tensor) or out.shape != reference.shape or out.dtype != reference.dtype:
-        return f"returned {getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}, expected {tuple(reference.shape)} {reference.dtype}"
+def check_output(out: object, reference: torch.Tensor, dtype: torch.dtype | None = None) -> str | None:
+    """None if ``out`` (of ``dtype``, default the reference's) passes the numeric guard against
+    ``reference`` (which may be in a wider dtype), else why it fails."""
+    dtype = dtype or reference.dtype
+    if not isinstance(out, torch.Tensor) or out.shape != reference.shape or out.dtype != dtype:
+        return f"returned {getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}, expected {tuple(reference.shape)} {dtype}"
     if not bool(torch.isfinite(out).all()):
         return "non-finite values"
     scale = float(reference.double().norm())
     error = float((out.double() - reference.double()).norm()) / max(scale, 1e-30)
-    tolerance = guard_tolerance(reference.dtype, reference.device)
+    tolerance = guard_tolerance(dtype, reference.device)
     return None if error <= tolerance else f"relative error {error:.2e} > {tolerance:.0e}"
 
 
@@ -179,7 +182,12 @@ class Tuner:
     def _sweep(
         self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map
     ) -> dict[str, dict]:
-        reference = registry.get(FALLBACK).run(namespace, problem, {}, a, b, kernel_map)
+        # The reference runs in the accumulator dtype: with half operands explicit_gemm rounds each
+        # offset's product to half before summing, which on small values (an fp16 network's
+        # gradients without loss scaling, ~1e-6: subnormal) put it 1.5e-2 to 5e-2 away from every
+        # fp32-accumulating kernel (H100, 2026-11-25), and the guard then rejected all of them.
+        wide = accumulator_dtype(a.dtype)
+        reference = registry.get(FALLBACK).run(namespace, problem, {}, a.to(wide), b.to(wide), kernel_map)
         timer = Timer(a.device)
         results = {}
         for candidate in candidates:
@@ -192,7 +200,7 @@ class Tuner:
             record = {"backend": candidate.backend, "params": list(map(list, candidate.params)),
                       "version": backend.version, "ms": None, "samples": 0}
             try:
-                failure = check_output(call(), reference)
+                failure = check_output(call(), reference, a.dtype)
                 if failure is None:
                     record["ms"], record["samples"], record["host_ms"] = timer.measure(call)
                     record["verdict"] = "ok"

@@ -122,3 +122,39 @@ def test_hash_table_finds_every_key_and_nothing_else_at_the_range_limits(device)
     for r, (_, plus_x, minus_z) in zip(rows.tolist(), found.tolist()):
         assert plus_x == index.get((r[0], r[1] + 1, r[2], r[3]), -1)
         assert minus_z == index.get((r[0], r[1], r[2], r[3] - 1), -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layer", ["subm3", "down2", "up2"])
+def test_derived_views_equal_those_recomputed_on_the_cpu_from_the_neighbour_table(layer, device):
+    # The views take device-specific paths (pairs by nonzero_static, the transposed table by a
+    # scatter, a transposed conv's map as the adjoint of the strided one); a street scene at
+    # stride 8 has the dense neighbourhoods of a deep layer.
+    from sparseconv.coords import KernelMap
+    from sparseconv.data.synthetic import make_scene
+
+    coords = make_scene("street", voxel_size=0.05, scale=0.5)[0].to(device)
+    x = SparseTensor(coords, torch.zeros(len(coords), 1, device=device))
+    cache, source = x.cache, x.coord_id
+    for _ in range(3):
+        source = cache.kernel_map(KernelMapKey(source, (2, 2, 2), (2, 2, 2), (1, 1, 1), False, False))[1]
+    kernel_size, stride = ((3, 3, 3), (1, 1, 1)) if layer == "subm3" else ((2, 2, 2), (2, 2, 2))
+    built = cache.kernel_map(KernelMapKey(source, kernel_size, stride, (1, 1, 1), layer == "up2", False))[0]
+    plain = KernelMap(built.neighbors.cpu(), built.num_in, built.kernel_size, built.identity_offset)
+
+    def by_offset(pairs):
+        in_idx, out_idx, ptr = (t.cpu() for t in pairs)
+        rows = []
+        for k in range(len(ptr) - 1):
+            order = torch.argsort(out_idx[ptr[k]:ptr[k + 1]])
+            rows.append((in_idx[ptr[k]:ptr[k + 1]][order], out_idx[ptr[k]:ptr[k + 1]][order]))
+        return rows
+
+    assert built.pair_counts == plain.pair_counts and sum(plain.pair_counts) > 0
+    for (got_in, got_out), (want_in, want_out) in zip(by_offset(built.pairs), by_offset(plain.pairs)):
+        assert torch.equal(got_in, want_in) and torch.equal(got_out, want_out)
+    in_idx, out_idx, ptr = plain.pairs
+    offset = torch.repeat_interleave(torch.arange(plain.kernel_volume), torch.diff(ptr))
+    adjoint = torch.full((plain.num_in, plain.kernel_volume), -1, dtype=torch.int32)
+    adjoint[in_idx, offset] = out_idx.to(torch.int32)
+    assert torch.equal(built.transposed_neighbors.cpu(), adjoint)
