@@ -108,6 +108,8 @@ def coords_and_feats_on(coords_device: str, feats_device: str) -> SparseTensor:
 
 W = torch.randn(27, 3, 4)  # a valid weight for sparse_conv3d(cloud(), W, kernel_size=3)
 ALGO_LIST = r"valid: \['auto', 'trimmed', 'all', .*'explicit_gemm'"
+AXES = "must be >= 1 along every axis, got"
+THREE = "must be a positive int or a tuple of 3 positive ints, got"
 
 
 @dataclass(frozen=True)
@@ -215,16 +217,19 @@ BAD_INPUTS = [
     Bad("wgrad-algo-empty-list", lambda: snn.SparseConv3d(3, 4, wgrad_algo=[]),
         TypeError, r"wgrad_algo must be a mode string or a non-empty list of algorithm names, got \[\]"),
     Bad("env-fwd-mode-misspelled", lambda: snn.SparseConv3d(3, 4)(cloud()),
-        ValueError, rf"SPARSECONV_FWD_ALGO_MODE: unknown algorithm 'explict_gemm' .*{ALGO_LIST}.*did you mean 'explicit_gemm'\?",
+        ValueError, rf"SPARSECONV_FWD_ALGO_MODE: unknown algorithm 'explict_gemm' .*{ALGO_LIST}"
+                    r".*did you mean 'explicit_gemm'\?",
         env={"SPARSECONV_FWD_ALGO_MODE": "explict_gemm"}),
     Bad("env-dgrad-mode-misspelled", lambda: conv_and_backward(snn.SparseConv3d(3, 4)),
-        ValueError, r"SPARSECONV_DGRAD_ALGO_MODE: unknown algorithm 'explicit_gemm_grouper' .*did you mean 'explicit_gemm_grouped'\?",
+        ValueError, r"SPARSECONV_DGRAD_ALGO_MODE: unknown algorithm 'explicit_gemm_grouper' "
+                    r".*did you mean 'explicit_gemm_grouped'\?",
         env={"SPARSECONV_DGRAD_ALGO_MODE": "explicit_gemm_grouper"}),
     Bad("env-wgrad-mode-misspelled-in-list", lambda: conv_and_backward(snn.SparseConv3d(3, 4)),
         ValueError, r"SPARSECONV_WGRAD_ALGO_MODE: unknown algorithm 'splitk' .*did you mean 'splitk_wgrad'\?",
         env={"SPARSECONV_WGRAD_ALGO_MODE": "[explicit_gemm,splitk]"}),
     Bad("env-fwd-mode-empty-list", lambda: snn.SparseConv3d(3, 4)(cloud()),
-        ValueError, r"SPARSECONV_FWD_ALGO_MODE: empty algorithm mode '\[\]'", env={"SPARSECONV_FWD_ALGO_MODE": "[]"}),
+        ValueError, r"SPARSECONV_FWD_ALGO_MODE: empty algorithm mode '\[\]'",
+        env={"SPARSECONV_FWD_ALGO_MODE": "[]"}),
     Bad("env-autotune-effort", lambda: snn.SparseConv3d(3, 4)(cloud()),
         ValueError, r"SPARSECONV_AUTOTUNE_EFFORT must be one of \('none', 'quick', 'full'\), got 'fast'",
         env={"SPARSECONV_AUTOTUNE_EFFORT": "fast"}),
@@ -233,27 +238,38 @@ BAD_INPUTS = [
         ValueError, r"transposed conv from stride \(2, 2, 2\) to \(1, 1, 1\): no tensor of this batch has "
                     r"coordinates at stride \(1, 1, 1\).*generative=True"),
     Bad("transposed-below-stride-1", transposed_below_stride_one,
-        ValueError, r"stride: a transposed conv with stride \(2, 2, 2\) cannot go below stride 1 from an input at stride \(1, 1, 1\)"),
+        ValueError, r"stride: a transposed conv with stride \(2, 2, 2\) cannot go below stride 1 "
+                    r"from an input at stride \(1, 1, 1\)"),
     Bad("transposed-stride-not-dividing", transposed_stride_not_dividing,
-        ValueError, r"stride: a transposed conv with stride \(3, 3, 3\) cannot go below stride 1 from an input at stride \(2, 2, 2\)"),
+        ValueError, r"stride: a transposed conv with stride \(3, 3, 3\) cannot go below stride 1 "
+                    r"from an input at stride \(2, 2, 2\)"),
     # geometry arguments
-    Bad("kernel-size-0", lambda: snn.SparseConv3d(3, 4, 0), ValueError, r"kernel_size must be >= 1 along every axis, got \(0, 0, 0\)"),
-    Bad("kernel-size-negative", lambda: snn.SparseConv3d(3, 4, (3, -1, 3)), ValueError, r"kernel_size must be >= 1 along every axis, got \(3, -1, 3\)"),
-    Bad("kernel-size-4-elements", lambda: snn.SparseConv3d(3, 4, (3, 3, 3, 3)), ValueError, r"kernel_size must be a positive int or a tuple of 3 positive ints, got \(3, 3, 3, 3\)"),
-    Bad("kernel-size-float", lambda: snn.SparseConv3d(3, 4, 3.0), TypeError, r"kernel_size must be a positive int or a tuple of 3 positive ints, got float"),
-    Bad("stride-0", lambda: snn.SparseConv3d(3, 4, 3, stride=0), ValueError, r"stride must be >= 1 along every axis, got \(0, 0, 0\)"),
-    Bad("stride-negative", lambda: snn.SparseConv3d(3, 4, 3, stride=-2), ValueError, r"stride must be >= 1 along every axis, got \(-2, -2, -2\)"),
-    Bad("stride-4-elements", lambda: snn.SparseConv3d(3, 4, 3, stride=[2, 2, 2, 2]), ValueError, r"stride must be a positive int or a tuple of 3 positive ints, got \(2, 2, 2, 2\)"),
-    Bad("dilation-0", lambda: snn.SparseConv3d(3, 4, 3, dilation=(1, 0, 1)), ValueError, r"dilation must be >= 1 along every axis, got \(1, 0, 1\)"),
-    Bad("dilation-negative", lambda: snn.SparseConv3d(3, 4, 3, dilation=-1), ValueError, r"dilation must be >= 1 along every axis, got \(-1, -1, -1\)"),
-    Bad("dilation-4-elements", lambda: snn.SparseConv3d(3, 4, 3, dilation=(2, 2, 2, 2)), ValueError, r"dilation must be a positive int or a tuple of 3 positive ints, got \(2, 2, 2, 2\)"),
-    Bad("op-stride-0", lambda: sparse_conv3d(cloud(), W, kernel_size=3, stride=0), ValueError, r"stride must be >= 1 along every axis"),
-    Bad("op-dilation-4-elements", lambda: sparse_conv3d(cloud(), W, kernel_size=3, dilation=(1, 1, 1, 1)), ValueError, r"dilation must be a positive int or a tuple of 3"),
-    Bad("pool-kernel-size-0", lambda: snn.SparseMaxPool3d(0), ValueError, r"kernel_size must be >= 1 along every axis, got \(0, 0, 0\)"),
-    Bad("pool-stride-negative", lambda: snn.functional.avg_pool3d(cloud(), 2, -1), ValueError, r"stride must be >= 1 along every axis, got \(-1, -1, -1\)"),
-    Bad("tensor-stride-4-elements", lambda: SparseTensor(*coords_and_feats(), stride=(1, 1, 1, 1)), ValueError, r"stride must be a positive int or a tuple of 3"),
+    Bad("kernel-size-0", lambda: snn.SparseConv3d(3, 4, 0), ValueError, rf"kernel_size {AXES} \(0, 0, 0\)"),
+    Bad("kernel-size-negative", lambda: snn.SparseConv3d(3, 4, (3, -1, 3)),
+        ValueError, rf"kernel_size {AXES} \(3, -1, 3\)"),
+    Bad("kernel-size-4-elements", lambda: snn.SparseConv3d(3, 4, (3, 3, 3, 3)),
+        ValueError, rf"kernel_size {THREE} \(3, 3, 3, 3\)"),
+    Bad("kernel-size-float", lambda: snn.SparseConv3d(3, 4, 3.0), TypeError, rf"kernel_size {THREE} float"),
+    Bad("stride-0", lambda: snn.SparseConv3d(3, 4, 3, stride=0), ValueError, rf"stride {AXES} \(0, 0, 0\)"),
+    Bad("stride-negative", lambda: snn.SparseConv3d(3, 4, 3, stride=-2), ValueError, rf"stride {AXES} \(-2, -2, -2\)"),
+    Bad("stride-4-elements", lambda: snn.SparseConv3d(3, 4, 3, stride=[2, 2, 2, 2]),
+        ValueError, rf"stride {THREE} \(2, 2, 2, 2\)"),
+    Bad("dilation-0", lambda: snn.SparseConv3d(3, 4, 3, dilation=(1, 0, 1)), ValueError, rf"dilation {AXES} \(1, 0, 1\)"),
+    Bad("dilation-negative", lambda: snn.SparseConv3d(3, 4, 3, dilation=-1),
+        ValueError, rf"dilation {AXES} \(-1, -1, -1\)"),
+    Bad("dilation-4-elements", lambda: snn.SparseConv3d(3, 4, 3, dilation=(2, 2, 2, 2)),
+        ValueError, rf"dilation {THREE} \(2, 2, 2, 2\)"),
+    Bad("op-stride-0", lambda: sparse_conv3d(cloud(), W, kernel_size=3, stride=0), ValueError, rf"stride {AXES}"),
+    Bad("op-dilation-4-elements", lambda: sparse_conv3d(cloud(), W, kernel_size=3, dilation=(1, 1, 1, 1)),
+        ValueError, rf"dilation {THREE} \(1, 1, 1, 1\)"),
+    Bad("pool-kernel-size-0", lambda: snn.SparseMaxPool3d(0), ValueError, rf"kernel_size {AXES} \(0, 0, 0\)"),
+    Bad("pool-stride-negative", lambda: snn.functional.avg_pool3d(cloud(), 2, -1),
+        ValueError, rf"stride {AXES} \(-1, -1, -1\)"),
+    Bad("tensor-stride-4-elements", lambda: SparseTensor(*coords_and_feats(), stride=(1, 1, 1, 1)),
+        ValueError, rf"stride {THREE} \(1, 1, 1, 1\)"),
     # other entry points
-    Bad("cat-other-coordinates", lambda: snn.cat(cloud(), cloud(n=60)), ValueError, r"cat: tensors\[1\] has .*tensors\[0\]"),
+    Bad("cat-other-coordinates", lambda: snn.cat(cloud(), cloud(n=60)),
+        ValueError, r"cat: tensors\[1\] has .*tensors\[0\]"),
     Bad("global-pool-batch-size-too-small", lambda: snn.GlobalMaxPool()(cloud(), batch_size=1),
         ValueError, r"batch_size must be an int >= 2 \(1 \+ the largest batch index\), got 1"),
     Bad("to-dense-shape-too-small", lambda: snn.ToDense(shape=(1, 1, 1), origin=(-2, -2, -2))(cloud()),

@@ -139,7 +139,8 @@ def test_kernel_map_and_conv_equal_the_brute_force_enumeration(mode, cells, g, s
     offset_of = torch.repeat_interleave(torch.arange(kernel_map.kernel_volume), offset_ptr.diff())
     pairs = {(in_coords[i], out_coords[o], k) for i, o, k in zip(in_idx.tolist(), out_idx.tolist(), offset_of.tolist())}
     assert len(pairs) == len(in_idx) and pairs == triples
-    table = {(out_coords[o], k): in_coords[i] for o, r in enumerate(kernel_map.neighbors.tolist()) for k, i in enumerate(r) if i >= 0}
+    table = {(out_coords[o], k): in_coords[i] for o, r in enumerate(kernel_map.neighbors.tolist())
+             for k, i in enumerate(r) if i >= 0}
     assert table == {(p, k): q for q, p, k in triples}
     adjoint = {(in_coords[i], k): out_coords[o] for i, r in enumerate(kernel_map.transposed_neighbors.tolist())
                for k, o in enumerate(r) if o >= 0}
