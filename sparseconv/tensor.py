@@ -12,6 +12,7 @@ from .coords.cache import CoordinateCache
 from .coords.hashing import pack_coords, range_violation_of, unpack_keys
 
 DUPLICATE_MODES = ("error", "sum", "mean")
+_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
 
 
 class SparseTensor:
@@ -202,6 +203,11 @@ def _validated(
         )
     if coords.device != feats.device:
         raise ValueError(f"coords and feats must be on one device, got coords on {coords.device}, feats on {feats.device}")
+    if coords.device.type == "meta":
+        raise ValueError("coords and feats must hold data (e.g. on cpu or cuda), got tensors on the meta device")
+    if coords.dtype in _WIDE_UNSIGNED:
+        # torch has no min/max for these on the CPU; every valid coordinate fits in int64.
+        coords = coords.to(torch.int64)
     if on_duplicate not in DUPLICATE_MODES:
         raise ValueError(f"on_duplicate must be one of {DUPLICATE_MODES}, got {on_duplicate!r}")
     if coords.shape[0] == 0:

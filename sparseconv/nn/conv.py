@@ -72,6 +72,11 @@ class SparseConv3d(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, input: SparseTensor) -> SparseTensor:
+        if isinstance(input, SparseTensor) and input.feats.shape[1] != self.in_channels:
+            raise ValueError(
+                f"{type(self).__name__} expects {self.in_channels} channels (in_channels), got a SparseTensor "
+                f"with {input.feats.shape[1]}"
+            )
         return sparse_conv3d(
             input,
             self.weight,

@@ -23,9 +23,26 @@ class OnFeatures:
     repr, so weights move between a dense model and a sparse one unchanged.
     """
 
+    channels_argument: str | None = None
+    """The torch attribute fixing the features' channel count (``in_features`` ...), checked so a
+    mismatch names it instead of failing inside torch with the shapes of a matmul."""
+
     def forward(self, input: SparseTensor) -> SparseTensor:
         feats = features_of(input, self)
+        if self.channels_argument is not None:
+            check_channels(self, feats, self.channels_argument)
         return input.replace(super().forward(feats))
+
+
+def check_channels(module: nn.Module, feats: torch.Tensor, argument: str) -> None:
+    """ValueError naming ``argument`` unless feats (N, C) has the C that ``module.<argument>`` fixes."""
+    expected = getattr(module, argument)
+    expected = tuple(expected) if isinstance(expected, tuple | list | torch.Size) else (expected,)
+    if tuple(feats.shape[1:]) != expected:
+        shown = expected[0] if len(expected) == 1 else expected
+        raise ValueError(
+            f"{type(module).__name__} expects {shown} channels ({argument}), got a SparseTensor with {feats.shape[1]}"
+        )
 
 
 class Features(nn.Module):
@@ -47,6 +64,8 @@ class Features(nn.Module):
 
 class Linear(OnFeatures, nn.Linear):
     """nn.Linear on every voxel's features: (N, in_features) -> (N, out_features); a 1x1x1 conv."""
+
+    channels_argument = "in_features"
 
 
 class Dropout(OnFeatures, nn.Dropout):

@@ -19,10 +19,14 @@ from .features import OnFeatures, features_of
 class BatchNorm(OnFeatures, nn.BatchNorm1d):
     """nn.BatchNorm1d over the features of all voxels of the batch: (N, C) -> (N, C)."""
 
+    channels_argument = "num_features"
+
 
 class SyncBatchNorm(OnFeatures, nn.SyncBatchNorm):
     """nn.SyncBatchNorm over the voxels of every process's batch (CUDA under torch.distributed;
     without a process group it computes what BatchNorm does)."""
+
+    channels_argument = "num_features"
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
@@ -90,6 +94,8 @@ class InstanceNorm(nn.InstanceNorm1d):
 class LayerNorm(OnFeatures, nn.LayerNorm):
     """nn.LayerNorm over each voxel's C channels (torch's and WarpConvNet's LayerNorm on point
     features); for statistics over a whole batch element use ``GroupNorm(1, C)``."""
+
+    channels_argument = "normalized_shape"
 
 
 def _check_channels(module: nn.Module, input: SparseTensor, channels: int) -> None:

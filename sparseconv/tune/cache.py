@@ -42,15 +42,44 @@ class _Unusable(Exception):
 
 
 def _entry_problem(entry: Any) -> str | None:
-    """Why ``entry`` cannot be cached, or None when it has the fields the merge rule reads."""
+    """Why ``entry`` cannot be cached, or None when it has the fields the merge rule and the
+    tuner read (a file edited by hand or by another tool must not crash a conv call)."""
     if not isinstance(entry, dict):
         return f"not a dict but {type(entry).__name__}"
     evidence, updated = entry.get("evidence"), entry.get("updated")
     if isinstance(evidence, bool) or not isinstance(evidence, int) or evidence < 0:
         return f"evidence must be an int >= 0, got {evidence!r}"
-    if isinstance(updated, bool) or not isinstance(updated, (int, float)) or not math.isfinite(updated):
+    if not _is_time(updated):
         return f"updated must be a finite time.time() float, got {updated!r}"
+    timings = entry.get("timings")
+    if isinstance(timings, dict):  # the tuner's {candidate id: record}
+        for candidate, record in timings.items():
+            problem = _timing_problem(record)
+            if problem is not None:
+                return f"timings[{candidate!r}]: {problem}"
+    elif timings is not None and not isinstance(timings, list):  # a list: @autotune's [[config, ms]]
+        return f"timings must be a dict or a list, got {type(timings).__name__}"
     return None
+
+
+def _timing_problem(record: Any) -> str | None:
+    """Why a tuner timing record is unusable: the fields the tuner compares must have their types."""
+    if not isinstance(record, dict):
+        return f"not a dict but {type(record).__name__}"
+    for name in ("ms", "host_ms"):
+        value = record.get(name)
+        if value is not None and not (_is_time(value) and value >= 0):
+            return f"{name} must be a finite number >= 0 or None, got {value!r}"
+    if record.get("verdict") == "ok" and record.get("ms") is None:
+        return "verdict 'ok' without ms"
+    version = record.get("version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        return f"version must be an int, got {version!r}"
+    return None
+
+
+def _is_time(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _versions(entry: dict) -> dict[str, int]:
