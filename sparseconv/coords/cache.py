@@ -125,7 +125,12 @@ class CoordinateCache:
         offsets = _offsets(key.kernel_size, step, -1 if key.transposed else 1, self.device)
         neighbors = self.table(key.source).neighbors(out.coords, offsets)
         identity = center_offset(key.kernel_size) if out_id == key.source else None
-        return KernelMap(neighbors, source.coords.shape[0], key.kernel_size, identity), out_id
+        kernel_map = KernelMap(neighbors, source.coords.shape[0], key.kernel_size, identity)
+        # A kernel equal to its stride (undilated) tiles the grid: each input lies in one output
+        # cell. Knowing it lets backends store instead of accumulating, with no scan of the map.
+        kernel_map.each_input_once = (not key.transposed and not key.generative and key.kernel_size == key.stride
+                                      and key.dilation == (1, 1, 1) and key.stride != (1, 1, 1))
+        return kernel_map, out_id
 
     def _output_set(self, key: KernelMapKey, source: CoordSet) -> int:
         if key.transposed:

@@ -78,6 +78,11 @@ class KernelMap:
         self._derived: dict[Hashable, object] = {}
         self.transpose_of: KernelMap | None = None
         """The map this one is the adjoint of (see :meth:`transposed`), or None if it was queried."""
+        self.each_input_once = False
+        """Every input row is in exactly one pair (a strided conv whose kernel equals its stride:
+        each voxel lies in one coarse cell). Set by whoever builds the map; False means unknown."""
+        self.each_output_once = False
+        """Every output row is in exactly one pair (the transpose of such a map); False means unknown."""
 
     def transposed(self) -> KernelMap:
         """The adjoint map (inputs and outputs swapped, same offset index): a transposed conv's map
@@ -85,6 +90,7 @@ class KernelMap:
         pairs and counts and has this map's table as its transposed table, so nothing is built twice."""
         adjoint = KernelMap(self.transposed_neighbors, self.num_out, self.kernel_size, self.identity_offset)
         adjoint.transpose_of = self
+        adjoint.each_input_once, adjoint.each_output_once = self.each_output_once, self.each_input_once
         adjoint.__dict__["transposed_neighbors"] = self.neighbors
         return adjoint
 

@@ -46,13 +46,11 @@ def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
     """(every output row of the product has at most one pair, every row has exactly one).
 
     True for the transposed k2 s2 conv (each fine voxel has one coarse parent) and the dgrad of
-    the strided one: nothing to accumulate, so backends may store instead of adding.
+    the strided one: nothing to accumulate, so backends may store instead of adding. Read from
+    how the map was built (no scan, no host sync); (False, False) where that does not say.
     """
-    def build(m: KernelMap) -> tuple[bool, bool]:
-        per_row = (product_table(m, forward) >= 0).sum(1)
-        return bool((per_row <= 1).all()), bool((per_row == 1).all())
-
-    return kernel_map.derived(("one_pair_per_row", forward), build)
+    once = kernel_map.each_output_once if forward else kernel_map.each_input_once
+    return once, once
 
 
 def row_order(table: torch.Tensor, sort: bool) -> torch.Tensor:
@@ -115,9 +113,9 @@ def active_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
 def tile_slots(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
                group: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gather rows each tile reads, laid out in the order it reads them: a flat int32 array
-    holding, tile after tile and for each offset of the tile's active list, the ``block_m`` source
-    rows of its visited rows (-1 = none, also for the slots past the last row); and (tiles,)
-    int64 where each tile's part starts. At most one int32 per row and offset of ``group``."""
+    holding, tile after tile and for each slot of the tile's offset list (active offsets first),
+    the ``block_m`` source rows of its visited rows (-1 = none, also past the last row); and
+    (tiles,) int64 where each tile's part starts. One int32 per row and offset of ``group``."""
     lo, hi = group or (0, kernel_map.kernel_volume)
 
     def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,10 +127,10 @@ def tile_slots(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
         # (tiles, list slot, row in tile): the source row of each visited row through the listed offset
         per_tile = padded.view(counts.numel(), block_m, hi - lo).gather(
             2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
-        listed = torch.arange(offsets.shape[1], device=table.device) < counts.unsqueeze(1).long()
-        starts = torch.zeros(counts.numel(), dtype=torch.int64, device=table.device)
-        torch.cumsum(counts[:-1].long() * block_m, 0, out=starts[1:])
-        return per_tile[listed].reshape(-1).contiguous(), starts
+        # Every tile keeps room for all offsets of the group (its unused list slots hold -1 and
+        # are never read): compacting to the listed ones needed their total on the host, a sync.
+        starts = torch.arange(counts.numel(), dtype=torch.int64, device=table.device) * (offsets.shape[1] * block_m)
+        return per_tile.reshape(-1), starts
 
     return kernel_map.derived(("tile_slots", forward, sort, block_m, lo, hi), build)
 
