@@ -1,4 +1,4 @@
-"""Correctness and speed of the Hopper kernels of sparseconv/csrc/rows_sm90.cu on one LiDAR-like layer.
+"""Correctness and speed of the Hopper kernels of csrc/rows_sm90.cu on one LiDAR-like layer.
 
 Builds a submanifold 3x3x3 layer with torch alone (a few hundred thousand voxels of a noisy 2.5D
 height field, ~8 neighbours each), so warp-lang is not needed; compiles every shipped variant

@@ -1,30 +1,52 @@
-"""One call per product: the tuner resolves the algorithm for the namespace and runs it.
+"""One call per product: the registered runner (the tuner) resolves the algorithm and runs it.
 
-Pins (``fwd_algo=`` ...) are checked at layer construction by :func:`check_algo`, so a typo
-fails before the first batch, and passed down unchanged; the tuner honours them in backward too.
+Pins (``fwd_algo=`` ...) are checked at layer construction by :func:`check_algo`, against the
+backend table (:mod:`.backends.algos`), so a typo fails before the first batch; they are passed
+down unchanged and the runner honours them in backward too.
+
+Imports point down: the tuner sits above this module and registers itself here
+(:func:`set_runner`, from ``sparseconv/tune/__init__.py``) instead of being called by name.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
 
 from ..coords.kernel_map import KernelMap
-from .problem import NAMESPACES, ConvProblem
-
-PIN_ARGUMENT = dict(zip(NAMESPACES, ("fwd_algo", "dgrad_algo", "wgrad_algo")))
+from .problem import PIN_ARGUMENT, ConvProblem
 
 Pin = str | Sequence[str] | None
 
+Runner = Callable[[str, ConvProblem, Pin, torch.Tensor, torch.Tensor, KernelMap, dict[str, str] | None], torch.Tensor]
+"""runner(namespace, problem, pin, a, b, kernel_map, record) -> the product (see :func:`dispatch`)."""
+
+_runner: Runner | None = None
+
+
+def set_runner(runner: Runner | None) -> Runner | None:
+    """Make ``runner`` run every product from now on; returns the one it replaces.
+
+    ``sparseconv.tune`` registers its tuner when imported; a test or a tool may put another in
+    front (and restore the returned one), and None goes back to loading the tuner on first use.
+    """
+    global _runner
+    previous, _runner = _runner, runner
+    return previous
+
 
 def check_algo(algo: Pin, namespace: str) -> str | tuple[str, ...] | None:
-    """Validate a pin early: None, a mode (auto / trimmed / all), a backend name or a list of names."""
+    """Validate a pin early: None, a mode (auto / trimmed / all), a backend name or a list of names.
+
+    Returns the pin (a list as a tuple); ValueError / TypeError naming the argument (``fwd_algo``
+    ...), the valid names and the closest match.
+    """
     if algo is None:
         return None
-    _tune().pools.checked_mode(algo, namespace, PIN_ARGUMENT[namespace])
+    _algos().checked_mode(algo, namespace, PIN_ARGUMENT[namespace])
     return algo if isinstance(algo, str) else tuple(algo)
 
 
@@ -38,17 +60,32 @@ def dispatch(
     record: dict[str, str] | None = None,
 ) -> torch.Tensor:
     """Run product ``namespace`` of ``problem`` with the algorithm the pin or the tuner picks."""
-    return _tune().get_tuner().run(namespace, problem, algo, a, b, kernel_map, record)
+    runner = _runner if _runner is not None else _load_runner()
+    return runner(namespace, problem, algo, a, b, kernel_map, record)
+
+
+def _load_runner() -> Runner:
+    """Import the tuner, which registers itself; the first product of a process comes here.
+
+    The one import in ops/ that points up (tests/test_layering.py allows exactly this one): it
+    only triggers the registration, so importing sparseconv loads no tuner, no backend and no
+    Triton, and nothing here depends on what the tuner is.
+    """
+    from .. import tune  # noqa: F401 - registers tune's runner through set_runner
+
+    if _runner is None:
+        raise RuntimeError("sparseconv.tune was imported but registered no runner (set_runner)")
+    return _runner
 
 
 @functools.cache
-def _tune() -> ModuleType:
-    """The tuner package, imported on first use: importing sparseconv must not load it.
+def _algos() -> ModuleType:
+    """The name check, imported on first use: importing it loads every backend family (the
+    registry fills on import), which importing sparseconv must not do.
 
-    Kept instead of a function-level import because that costs ~1 µs, and a conv call makes up
-    to six (three pin checks, three dispatches).
+    Kept instead of a function-level import because that costs ~1 µs, and a conv call makes
+    three pin checks.
     """
-    from .. import tune
-    from ..tune import pools  # noqa: F401 - tune.pools is used through the package
+    from .backends import algos
 
-    return tune
+    return algos

@@ -11,6 +11,9 @@ from ..coords.kernel_map import Triple
 NAMESPACES = ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")
 """Forward (out = Σ_k scatter(gather(A) · B_k)), dgrad (… · B_kᵀ), wgrad (gather(A)ᵀ · gather(B))."""
 
+PIN_ARGUMENT = dict(zip(NAMESPACES, ("fwd_algo", "dgrad_algo", "wgrad_algo")))
+"""The keyword argument that pins each namespace's algorithm; error messages name it."""
+
 
 @dataclass(frozen=True)
 class ConvProblem:

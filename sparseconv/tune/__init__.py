@@ -1,13 +1,19 @@
 """The autotuner: per-namespace algorithm choice, a shared msgpack cache, and @autotune.
 
 Nothing starts at import: the tuner and its cache file come to life on the first conv call
-that needs a choice.
+that needs a choice. Importing this package registers :func:`run` as the operator layer's
+runner (``sparseconv.ops.dispatch.set_runner``): ops/ sits below the tuner and never names it.
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
+
+from ..coords.kernel_map import KernelMap
+from ..ops import dispatch as _dispatch
+from ..ops.problem import ConvProblem
 from .cache import TuneCache
 from .configs import Candidate, Config
 from .decorator import autotune
@@ -28,4 +34,20 @@ def reset() -> None:
     get_tuner.cache_clear()
 
 
-__all__ = ["Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset"]
+def run(
+    namespace: str,
+    problem: ConvProblem,
+    pin: _dispatch.Pin,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    kernel_map: KernelMap,
+    record: dict[str, str] | None = None,
+) -> torch.Tensor:
+    """Product ``namespace`` of ``problem`` by the process-wide tuner's choice (the ops runner)."""
+    return get_tuner().run(namespace, problem, pin, a, b, kernel_map, record)
+
+
+_dispatch.set_runner(run)
+
+
+__all__ = ["Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset", "run"]

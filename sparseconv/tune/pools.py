@@ -1,108 +1,30 @@
-"""Algorithm modes and candidate pools: which candidates a namespace may use for a problem.
+"""Candidate pools: which candidates a namespace may use for a problem, under the call's mode.
 
 A mode comes from the call's pin (``fwd_algo=`` ...) or else the namespace's environment
-variable (``SPARSECONV_FWD_ALGO_MODE`` ...) or else ``auto``: ``auto`` | ``trimmed`` | ``all``
-| a backend name (use it, no timing) | a list ``[a,b]`` or Python list (time only these).
-Names are checked strictly wherever they come from.
+variable (``SPARSECONV_FWD_ALGO_MODE`` ...) or else ``auto``. Parsing and checking a mode (names,
+levels, the "did you mean" hint) lives with the backend table in
+:mod:`sparseconv.ops.backends.algos`, which the operator layer uses too; names are checked
+strictly wherever they come from.
 """
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from .. import config
 from ..ops.backends import registry
-from ..ops.problem import ConvProblem
+from ..ops.backends.algos import DEFAULT_MODE, LEVELS, AlgoMode, checked_mode, parse_mode
+from ..ops.problem import PIN_ARGUMENT, ConvProblem
 from .configs import Candidate
 
 logger = logging.getLogger("sparseconv.tune")
 
-LEVELS = registry.POOL_LEVELS
-PIN_ARGUMENT = {"AB_gather_scatter": "fwd_algo", "ABt_gather_scatter": "dgrad_algo", "AtB_gather_gather": "wgrad_algo"}
 FALLBACK = "explicit_gemm"
 
-
-@dataclass(frozen=True)
-class AlgoMode:
-    """``level`` for a pool mode (auto / trimmed / all), else the named backends; ``source`` says where it came from."""
-
-    level: str | None
-    names: tuple[str, ...]
-    source: str
-    listed: bool = False  # the names came as a list ([a], a,b or a Python list): time them
-
-    @property
-    def single(self) -> bool:
-        """A bare backend name: run its default parameters, untimed."""
-        return self.level is None and len(self.names) == 1 and not self.listed
-
-
-def parse_mode(value: str | Sequence[str], namespace: str, source: str) -> AlgoMode:
-    """A mode from a string (``auto``, ``name``, ``[a,b]``, ``a,b``) or a list of names; strict."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() in LEVELS:
-            return AlgoMode(text.lower(), (), source)
-        names = [n.strip() for n in text.strip("[]").split(",") if n.strip()]
-        listed = text.startswith("[") or "," in text
-        if not names:
-            raise ValueError(f"{source}: empty algorithm mode {value!r}; use auto, trimmed, all, a name or [a,b]")
-    elif isinstance(value, Sequence) and value and all(isinstance(n, str) for n in value):
-        names = [n.strip() for n in value]
-        listed = True
-    else:
-        raise TypeError(f"{source} must be a mode string or a non-empty list of algorithm names, got {value!r}")
-    valid = registry.names(namespace)
-    for name in names:
-        if name not in valid:
-            close = difflib.get_close_matches(name, valid + list(LEVELS), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"{source}: unknown algorithm {name!r} for {namespace}; valid: {list(LEVELS) + valid}{hint}"
-            )
-    return AlgoMode(None, tuple(dict.fromkeys(names)), source, listed)
-
-
-DEFAULT_MODE = AlgoMode("auto", (), "default")
-
-# Parsed modes by (value, namespace, source), with the backends each names. Every conv call
-# resolves three modes; parsing one (a registry scan and sort per name) cost ~3 µs, a third of
-# the tuner's per-call time on a small layer. Entries are keyed on the raw value, so a changed
-# pin or environment variable parses afresh, and a hit is used only while the backends it names
-# are still the registered ones, so an unregistered or replaced backend is checked again.
-_PARSED: dict[tuple, tuple[AlgoMode, tuple[registry.Backend, ...]]] = {}
-_PARSED_LIMIT = 1024
-
-
-def checked_mode(value: str | Sequence[str], namespace: str, source: str) -> AlgoMode:
-    """:func:`parse_mode`, remembered while the backends it names stay registered."""
-    if isinstance(value, str):
-        memo = (value, namespace, source)
-    elif isinstance(value, list | tuple) and all(isinstance(n, str) for n in value):
-        memo = (tuple(value), namespace, source)
-    else:
-        return parse_mode(value, namespace, source)  # not a valid mode: let it say why
-    hit = _PARSED.get(memo)
-    if hit is not None and _registered(hit[1]):
-        return hit[0]
-    mode = parse_mode(value, namespace, source)
-    if len(_PARSED) >= _PARSED_LIMIT:  # a program generating pins must not grow this forever
-        _PARSED.clear()
-    _PARSED[memo] = (mode, tuple(registry.get(name) for name in mode.names))
-    return mode
-
-
-def _registered(backends: tuple[registry.Backend, ...]) -> bool:
-    try:
-        for backend in backends:
-            if registry.get(backend.name) is not backend:
-                return False
-    except KeyError:
-        return False
-    return True
+# The mode names are re-exported: tuner.py (and tests) take them from here with the pools.
+__all__ = ["DEFAULT_MODE", "FALLBACK", "LEVELS", "PIN_ARGUMENT", "AlgoMode", "candidate_pool", "checked_mode",
+           "parse_mode", "resolve_mode"]
 
 
 def resolve_mode(namespace: str, pin: str | Sequence[str] | None) -> AlgoMode:

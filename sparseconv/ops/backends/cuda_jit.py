@@ -1,4 +1,4 @@
-"""Run-time compilation of the CUDA C++ in sparseconv/csrc/: nvcc → cubin, cached on disk, loaded through CuPy.
+"""Run-time compilation of the CUDA C++ in csrc/ (see :func:`csrc_dir`): nvcc → cubin, cached on disk, loaded through CuPy.
 
 Why nvcc and not NVRTC: CUTLASS's headers include the toolkit's C++ library headers (cuda/std,
 cuda_fp16/bf16) that NVRTC alone does not ship, and nvcc is what the `nvidia-cuda-nvcc` wheel
@@ -30,8 +30,28 @@ import torch
 
 from ... import config
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC_FILES = ("rows_sm90.cu", "sparse_gemm.cu")
 COMPILE_TIMEOUT_S = 600
+
+
+@functools.cache
+def csrc_dir() -> Path:
+    """The folder holding the CUDA C++ sources (:data:`CSRC_FILES`).
+
+    In an installed wheel they are package data at ``sparseconv/_csrc/`` (pyproject.toml maps
+    the repository's top-level ``csrc/`` there); in a checkout or an editable install they are
+    ``csrc/`` beside the package. A real path, not an ``importlib.resources`` traversable: nvcc
+    is a subprocess and needs a file name. The wheel's copy is looked for first, so an installed
+    package never reads a stray ``csrc/`` next to it in site-packages.
+    """
+    package = Path(__file__).resolve().parents[2]
+    for candidate in (package / "_csrc", package.parent / "csrc"):
+        if all((candidate / name).is_file() for name in CSRC_FILES):
+            return candidate
+    raise FileNotFoundError(
+        f"the CUDA C++ sources {list(CSRC_FILES)} are neither in {package / '_csrc'} (an installed wheel) "
+        f"nor in {package.parent / 'csrc'} (a checkout); reinstall sparseconv"
+    )
 
 
 @dataclass(frozen=True)
@@ -128,10 +148,10 @@ def _command(tools: Toolchain, source: Path, defines: Mapping[str, int], arch: s
 
 
 def cubin_path(source: str, defines: Mapping[str, int], arch: str) -> Path:
-    """Where the cubin of ``source`` (a file in sparseconv/csrc/) with ``defines`` for ``arch`` is cached."""
+    """Where the cubin of ``source`` (a file in :func:`csrc_dir`) with ``defines`` for ``arch`` is cached."""
     tools = toolchain()
     digest = hashlib.sha256()
-    for part in ((CSRC / source).read_bytes(), repr(sorted(defines.items())).encode(), arch.encode(),
+    for part in ((csrc_dir() / source).read_bytes(), repr(sorted(defines.items())).encode(), arch.encode(),
                  tools.nvcc_version.encode(), tools.cutlass_version.encode()):
         digest.update(part)
     return config.cache_dir() / "cuda" / f"{Path(source).stem}-{arch}-{digest.hexdigest()[:24]}.cubin"
@@ -145,7 +165,7 @@ def _compile(source: str, defines: Mapping[str, int], arch: str, path: Path) -> 
     fd, temporary = tempfile.mkstemp(suffix=".cubin", dir=path.parent)
     os.close(fd)
     try:
-        result = subprocess.run(_command(tools, CSRC / source, defines, arch, Path(temporary)),
+        result = subprocess.run(_command(tools, csrc_dir() / source, defines, arch, Path(temporary)),
                                 capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if result.returncode != 0:
             raise RuntimeError(f"nvcc failed on {source} {dict(defines)} for {arch}:\n{result.stderr[-4000:]}")

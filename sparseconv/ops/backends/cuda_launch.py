@@ -8,7 +8,7 @@ call into a per-thread buffer and hands the driver one pointer per argument into
 ``cuLaunchKernel`` copies the arguments before it returns, so the buffer is free again at once.
 
 An argument is a tensor (its data pointer), an ``np.uint64`` (an address, e.g. a tensor's
-pointer plus an offset) or an integer (a C ``int``): the kernels in sparseconv/csrc/ take
+pointer plus an offset) or an integer (a C ``int``): the kernels in csrc/ take
 nothing else.
 """
 

@@ -1,4 +1,4 @@
-"""``cutlass_sm90`` (forward, dgrad): Hopper wgmma products from sparseconv/csrc/rows_sm90.cu.
+"""``cutlass_sm90`` (forward, dgrad): Hopper wgmma products from csrc/rows_sm90.cu.
 
 What ``cutlass_grouped`` does (every offset in one launch, output-stationary: each block owns a
 tile of output rows sorted by neighbour mask and writes each once, deterministic), with per-tile

@@ -1,4 +1,4 @@
-"""The backend table shared by the dispatcher (and later the tuner): what was chosen is what runs."""
+"""The backend table shared by the tuner and the algorithm-name check (algos.py): what was timed is what runs."""
 
 from __future__ import annotations
 
