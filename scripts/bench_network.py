@@ -362,9 +362,15 @@ LAUNCHES = {"cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaMemcp
 def _caller(event) -> str:
     """The innermost sparseconv line (a Python-function event of with_stack) above ``event``."""
     parent = event.cpu_parent
-    while parent is not None and "sparseconv/" not in parent.name:
+    while parent is not None and not _ours(parent.name):
         parent = parent.cpu_parent
-    return parent.name.split("sparseconv/", 1)[1] if parent is not None else "(outside sparseconv)"
+    return parent.name.split("sparseconv/", 1)[-1] if parent is not None else "(outside sparseconv)"
+
+
+def _ours(frame: str) -> bool:
+    """A Python-function event of sparseconv's own code (the profiler may shorten its path)."""
+    return ".py(" in frame and "bench_network" not in frame and (
+        "sparseconv/" in frame or not any(lib in frame for lib in ("torch/", "triton/", "warp/", "<", "site-packages")))
 
 
 def _launches(event) -> int:

@@ -1,4 +1,4 @@
-"""CUTLASS tensor-core backends from sparseconv/csrc/sparse_gemm.cu, compiled at run time (see cuda_jit).
+"""CUTLASS tensor-core backends from csrc/sparse_gemm.cu, compiled at run time (see cuda_jit).
 
 - ``cutlass_grouped`` (forward, dgrad): every offset in one launch, output-stationary: each
   block owns a tile of output rows sorted by neighbour mask and accumulates all its offsets in
