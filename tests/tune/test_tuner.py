@@ -248,3 +248,20 @@ def test_a_pool_of_only_the_reference_is_not_timed():
     record = {}
     sparse_conv3d(x, torch.randn(2, 4, 4), kernel_size=(1, 1, 2), record=record)
     assert record["AB_gather_scatter"] == "explicit_gemm" and entries() == []
+
+
+def test_the_guard_accepts_correct_half_results_of_subnormal_size_and_rejects_wrong_ones():
+    from sparseconv.tune.tuner import check_output
+
+    # An fp16 network's gradients without loss scaling: ~1e-6, subnormal in half precision.
+    reference = torch.randn(4096, 64, dtype=torch.float32) * 1e-6
+    rounded = reference.to(torch.float16)  # what a correct fp32-accumulating kernel stores
+    relative = float((rounded.double() - reference.double()).norm() / reference.double().norm())
+    assert relative > 5e-3  # the plain relative bound would reject it
+    assert check_output(rounded, reference, torch.float16) is None
+    assert check_output(rounded.flip(0), reference, torch.float16) is not None  # rows swapped
+    assert check_output(rounded * 1.5, reference, torch.float16) is not None
+    # Values of normal size get no such slack: a 1% error fails.
+    normal = torch.randn(4096, 64)
+    assert check_output(normal.to(torch.float16), normal, torch.float16) is None
+    assert check_output((normal * 1.01).to(torch.float16), normal, torch.float16) is not None
