@@ -246,6 +246,14 @@ def count_syncs(fn, device: torch.device) -> int | str:
     return sum(sync_sites(fn).values())
 
 
+def train_columns(runner: Runner, device, repeats: int) -> dict:
+    row = {"1st step": first_call_ms(runner.step, device)}
+    row["step"], _ = timed(runner.step, device, repeats)
+    row["step="], _ = timed(lambda: runner.step(same=True), device, repeats)
+    row["peak GB"] = peak_gb(runner.step, device)
+    return row
+
+
 def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
     try:
         runner = Runner(name, coords, dtype, device)
@@ -254,20 +262,16 @@ def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
         row["infer="], _ = timed(lambda: runner.infer(same=True), device, repeats)
         row["gpu"] = gpu_ms(runner.infer, device)
         try:
-            row["1st step"] = first_call_ms(runner.step, device)
+            row.update(train_columns(runner, device, repeats))
         except Exception as error:  # noqa: BLE001
             if name not in ("spconv", "spconv_triton"):
                 raise
-            # spconv's default (mask implicit GEMM) fails in backward on some shapes (seen on an
+            # spconv's default (mask implicit GEMM) fails in backward on some passes (seen on an
             # H100 with spconv-cu126 2.3.8); a user would then train with its Native algorithm.
             print(f"{name}: training failed ({type(error).__name__}: {str(error)[:300]}); "
                   "training with ConvAlgo.Native", flush=True)
             runner = Runner(name, coords, dtype, device, native=True)
-            row["1st step"] = first_call_ms(runner.step, device)
-            row["note"] = "train: native"
-        row["step"], _ = timed(runner.step, device, repeats)
-        row["step="], _ = timed(lambda: runner.step(same=True), device, repeats)
-        row["peak GB"] = peak_gb(runner.step, device)
+            row.update(train_columns(runner, device, repeats), note="train: native")
         if name == "ours":
             x = runner.make_input(False)
             with torch.no_grad():
