@@ -188,3 +188,35 @@ def test_rows_sort_by_mask_with_the_rarest_offset_most_significant():
     ties = key[1:] == key[:-1]
     assert bool((order[1:][ties] > order[:-1][ties]).all()), "equal masks keep their row order"
     assert mask_triton.row_order(table, False).tolist() == list(range(500))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode_name", ["submanifold_k3", "strided_k2_s2", "transposed_k2_s2"])
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "dgrad"])
+def test_fused_tile_views_equal_the_torch_reference(device, mode_name, forward, monkeypatch):
+    # The mask views (row order, tile offsets, offset lists, gather slots) come from two Triton
+    # kernels; the torch ops they replaced stay as the reference and the path without Triton.
+    from sparseconv.coords import KernelMap
+
+    mode = next(m for m in MODES if m.name == mode_name)
+    x = make_input(mode, 4, device, dtype=torch.float32, n=300, extent=10)
+    size = mode.kernel_size if isinstance(mode.kernel_size, tuple) else (mode.kernel_size,) * 3
+    built = x.cache.kernel_map(KernelMapKey(x.coord_id, size, (mode.stride,) * 3, (1, 1, 1), mode.transposed,
+                                            mode.generative))[0]
+    copies = []
+    for _ in range(2):
+        copy = KernelMap(built.neighbors, built.num_in, built.kernel_size, built.identity_offset)
+        copy.__dict__["transposed_neighbors"] = built.transposed_neighbors
+        copies.append(copy)
+    fused, plain = copies
+    for block_m, splits in ((16, 1), (32, 2), (64, 3)):
+        for group in mask_triton.offset_groups(built.kernel_volume, splits):
+            views = []
+            for kernel_map, use_triton in ((fused, True), (plain, False)):
+                monkeypatch.setattr(mask_triton, "fused", lambda table, flag=use_triton: flag)
+                views.append([mask_triton.sorted_rows(kernel_map, forward, True, group),
+                              mask_triton.tile_offsets(kernel_map, forward, True, block_m, group),
+                              *mask_triton.active_lists(kernel_map, forward, True, block_m, group),
+                              *mask_triton.tile_slots(kernel_map, forward, True, block_m, group)])
+            for got, expected in zip(*views):
+                assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected.cpu())

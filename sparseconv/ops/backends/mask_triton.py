@@ -12,10 +12,13 @@ neighbour table with W_kᵀ.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Mapping
 
 import torch
 
+from ... import config
 from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import triton_kernels as tk
@@ -38,8 +41,49 @@ def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[i
     """(rows,) int32 visiting order of the product's rows, by their neighbour mask over the offsets
     of ``group`` (default: all) if ``sort``; cached on the map."""
     lo, hi = group or (0, kernel_map.kernel_volume)
-    return kernel_map.derived(("mask_rows" if forward else "mask_rows_t", sort, lo, hi),
-                              lambda m: row_order(product_table(m, forward)[:, lo:hi], sort))
+
+    def build(m: KernelMap) -> torch.Tensor:
+        table = product_table(m, forward)
+        if not (sort and table.shape[0] and fused(table)):
+            return row_order(table[:, lo:hi], sort)
+        # Per-offset counts are the map's pair counts in either direction: no pass over the table.
+        return fused_row_order(table, lo, hi, m.offset_counts[lo:hi])
+
+    return kernel_map.derived(("mask_rows" if forward else "mask_rows_t", sort, lo, hi), build)
+
+
+def fused(table: torch.Tensor) -> bool:
+    """Whether the views of ``table`` are built by the Triton kernels (one launch each) rather
+    than by torch ops (~10 each, the reference): on CUDA with Triton, or under its interpreter."""
+    return table.is_cuda and _triton_available() or (table.device.type == "cpu" and config.triton_interpret())
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fused_row_order(table: torch.Tensor, lo: int, hi: int, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`row_order` of ``table[:, lo:hi]`` by one mask kernel and one sort; ``counts``: the
+    (hi - lo,) pairs per offset, which set the bit order (rarest most significant)."""
+    width, rows = hi - lo, table.shape[0]
+    bits = min(width, 63)
+    rarest = torch.argsort(counts, stable=True)[:bits]
+    bit = torch.full((width,), -1, dtype=torch.int32, device=table.device)
+    bit[rarest] = torch.arange(bits - 1, -1, -1, dtype=torch.int32, device=table.device)
+    # 32-bit keys when they fit: half the radix passes of the sort.
+    masks = torch.empty(rows, dtype=torch.int32 if bits <= 31 else torch.int64, device=table.device)
+    kernels = tk.kernels()
+    kernels.row_masks[(kernels.triton.cdiv(rows, MASK_ROWS),)](
+        table, bit, masks, rows, table.stride(0), lo, width, BLOCK=MASK_ROWS, WIDTH=_width(width))
+    return torch.sort(masks, stable=True).indices.to(torch.int32)
+
+
+MASK_ROWS = 128
+
+
+def _width(width: int) -> int:
+    return max(16, 1 << (width - 1).bit_length())
 
 
 def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
@@ -84,30 +128,34 @@ def tile_offsets(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
                  group: tuple[int, int] | None = None) -> torch.Tensor:
     """(tiles, offsets of ``group``) bool: True where some row of the tile of ``block_m`` visited
     rows has a neighbour through that offset (cached on the map per tile height and group)."""
-    lo, hi = group or (0, kernel_map.kernel_volume)
-
-    def build(m: KernelMap) -> torch.Tensor:
-        rows = sorted_rows(m, forward, sort, group)
-        tiles = -(-rows.numel() // block_m)
-        present = torch.zeros((tiles * block_m, hi - lo), dtype=torch.bool, device=rows.device)
-        present[: rows.numel()] = product_table(m, forward)[rows.long(), lo:hi] >= 0
-        return present.view(tiles, block_m, hi - lo).any(1)
-
-    return kernel_map.derived(("tile_offsets", forward, sort, block_m, lo, hi), build)
+    return _tile_lists(kernel_map, forward, sort, block_m, group)[0]
 
 
 def active_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
                  group: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """((tiles, offsets of ``group``) int32 offsets each tile uses, the first ``count`` of each row
-    valid; (tiles,) int32 count)."""
+    """((tiles, offsets of ``group``) int32 offsets each tile uses (used ones first, each part in
+    offset order), the first ``count`` of each row valid; (tiles,) int32 count)."""
+    return _tile_lists(kernel_map, forward, sort, block_m, group)[1:]
+
+
+def _tile_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
+                group: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lo, hi = group or (0, kernel_map.kernel_volume)
 
-    def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor]:
-        used = tile_offsets(m, forward, sort, block_m, (lo, hi))
+    def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = sorted_rows(m, forward, sort, group)
+        table = product_table(m, forward)
+        if fused(table):
+            used, offsets, counts, _ = _plan(table, rows, lo, hi, block_m, lists=True, slots=False)
+            return used.view(torch.bool), offsets, counts
+        tiles = -(-rows.numel() // block_m)
+        present = torch.zeros((tiles * block_m, hi - lo), dtype=torch.bool, device=rows.device)
+        present[: rows.numel()] = table[rows.long(), lo:hi] >= 0
+        used = present.view(tiles, block_m, hi - lo).any(1)
         order = torch.argsort((~used).to(torch.int8), dim=1, stable=True) + lo
-        return order.to(torch.int32).contiguous(), used.sum(1, dtype=torch.int32)
+        return used, order.to(torch.int32).contiguous(), used.sum(1, dtype=torch.int32)
 
-    return kernel_map.derived(("active_lists", forward, sort, block_m, lo, hi), build)
+    return kernel_map.derived(("tile_lists", forward, sort, block_m, lo, hi), build)
 
 
 def tile_slots(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
@@ -120,19 +168,39 @@ def tile_slots(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
 
     def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor]:
         rows = sorted_rows(m, forward, sort, group)
-        offsets, counts = active_lists(m, forward, sort, block_m, group)
         table = product_table(m, forward)
-        padded = torch.full((counts.numel() * block_m, hi - lo), -1, dtype=torch.int32, device=table.device)
-        padded[: rows.numel()] = table[rows.long(), lo:hi]
-        # (tiles, list slot, row in tile): the source row of each visited row through the listed offset
-        per_tile = padded.view(counts.numel(), block_m, hi - lo).gather(
-            2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
+        tiles = -(-rows.numel() // block_m)
         # Every tile keeps room for all offsets of the group (its unused list slots hold -1 and
         # are never read): compacting to the listed ones needed their total on the host, a sync.
-        starts = torch.arange(counts.numel(), dtype=torch.int64, device=table.device) * (offsets.shape[1] * block_m)
+        starts = torch.arange(tiles, dtype=torch.int64, device=table.device) * ((hi - lo) * block_m)
+        if fused(table):
+            return _plan(table, rows, lo, hi, block_m, lists=False, slots=True)[3], starts
+        offsets, counts = active_lists(m, forward, sort, block_m, group)
+        padded = torch.full((tiles * block_m, hi - lo), -1, dtype=torch.int32, device=table.device)
+        padded[: rows.numel()] = table[rows.long(), lo:hi]
+        # (tiles, list slot, row in tile): the source row of each visited row through the listed offset
+        per_tile = padded.view(tiles, block_m, hi - lo).gather(
+            2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
         return per_tile.reshape(-1), starts
 
     return kernel_map.derived(("tile_slots", forward, sort, block_m, lo, hi), build)
+
+
+def _plan(table: torch.Tensor, rows: torch.Tensor, lo: int, hi: int, block_m: int, lists: bool, slots: bool):
+    """One tile_plan launch: (used (tiles, width) int8, offsets (tiles, width) int32, counts
+    (tiles,) int32, slots (tiles * width * block_m,) int32); those not asked for are empty."""
+    width, device = hi - lo, table.device
+    tiles = -(-rows.numel() // block_m)
+    shape = (tiles, width) if lists else (0, width)
+    used = torch.empty(shape, dtype=torch.int8, device=device)
+    offsets = torch.empty(shape, dtype=torch.int32, device=device)
+    counts = torch.empty(tiles if lists else 0, dtype=torch.int32, device=device)
+    flat = torch.empty(tiles * width * block_m if slots else 0, dtype=torch.int32, device=device)
+    if tiles:
+        tk.kernels().tile_plan[(tiles,)](
+            table, rows, used, offsets, counts, flat, rows.numel(), table.stride(0), lo, width,
+            BLOCK_M=block_m, WIDTH=_width(width), LISTS=lists, SLOTS=slots)
+    return used, offsets, counts, flat
 
 
 def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Triton kernels of the fused backends, defined on first use (importing sparseconv never imports Triton).
 
-Three kernels, each computing one tile of a gather-GEMM(-scatter) with fp32 accumulation:
+Three kernels, each computing one tile of a gather-GEMM(-scatter) with fp32 accumulation (and
+two that build the mask kernels' views of a map, ``row_masks`` and ``tile_plan``, one launch
+each where torch needed about ten ops):
 
 - ``rows_gemm``: output-stationary. Each program owns BLOCK_M output rows x BLOCK_N columns and
   runs one pipelined loop over (offset, channel block), gathering its rows' neighbours; no
@@ -152,7 +154,44 @@ def kernels() -> SimpleNamespace:
         else:
             tl.store(target, acc, mask=rm_ok[:, None] & rn_ok[None, :])
 
-    return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad)
+    @triton.jit
+    def row_masks(table_ptr, bit_ptr, out_ptr, rows, row_stride, lo, width,
+                  BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """out[i] = OR over offsets k of ``lo + k`` present in row i of 1 << bit[k] (bit < 0: skipped)."""
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        k = tl.arange(0, WIDTH)
+        bit = tl.load(bit_ptr + k, mask=k < width, other=-1)
+        ok = (r[:, None] < rows) & (k[None, :] < width)
+        present = tl.load(table_ptr + r[:, None].to(tl.int64) * row_stride + lo + k[None, :], mask=ok, other=-1) >= 0
+        one = tl.full((BLOCK, WIDTH), 1, tl.int64)
+        weight = tl.where(present & (bit[None, :] >= 0), one << tl.maximum(bit, 0).to(tl.int64)[None, :], 0)
+        tl.store(out_ptr + r, tl.sum(weight, axis=1), mask=r < rows)  # distinct powers of two: the sum is the OR
+
+    @triton.jit
+    def tile_plan(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, rows, row_stride, lo, width,
+                  BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, LISTS: tl.constexpr, SLOTS: tl.constexpr):
+        """One tile of BLOCK_M visited rows: which offsets of [lo, lo + width) it uses, their list
+        (used first, each part in offset order) and count, and per list slot its rows' sources."""
+        tile = tl.program_id(0)
+        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        k = tl.arange(0, WIDTH)
+        row = tl.load(order_ptr + i, mask=i < rows, other=0)
+        ok = (i[:, None] < rows) & (k[None, :] < width)
+        source = tl.load(table_ptr + row[:, None].to(tl.int64) * row_stride + lo + k[None, :], mask=ok, other=-1)
+        used = (tl.max(source, axis=0) >= 0).to(tl.int32)
+        count = tl.sum(used, axis=0)
+        unused = tl.where(k < width, 1 - used, 0)
+        slot = tl.where(used > 0, tl.cumsum(used, axis=0) - 1, count + tl.cumsum(unused, axis=0) - 1)
+        if LISTS:
+            tl.store(used_ptr + tile.to(tl.int64) * width + k, used.to(tl.int8), mask=k < width)
+            tl.store(list_ptr + tile.to(tl.int64) * width + slot, lo + k, mask=k < width)
+            tl.store(count_ptr + tile, count)
+        if SLOTS:
+            at = tile.to(tl.int64) * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+            tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
+
+    return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad,
+                           row_masks=row_masks, tile_plan=tile_plan)
 
 
 def unsupported(problem) -> str | None:
