@@ -70,7 +70,7 @@ def ceilings() -> tuple[float, float, float]:
     """(bf16 matmul TFLOP/s timed as the cells are, the same with one call a sample, device copy GB/s
     counting read + write), measured now. The %peak column uses the first. How the matmul is timed
     moves it: on H200s, 10 calls a sample gave 679-688 TFLOP/s, one call a sample 631-677, and
-    check_sm90_rows.py's single calls behind a GPU-side sleep 781-800 (docs/performance.md)."""
+    single calls behind a GPU-side sleep 781-800 (docs/performance.md)."""
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     ms = median_ms(lambda: a @ b, 10)

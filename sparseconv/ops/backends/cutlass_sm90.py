@@ -222,7 +222,7 @@ def _pool(problem: ConvProblem, level: str) -> list[Mapping]:
 
 def _heuristic(problem: ConvProblem) -> float:
     # Untimed pick: on an H200 it led the Triton mask kernel at C = 256 and trailed it at C <= 128
-    # (scripts/check_sm90_rows.py, docs/performance.md).
+    # (docs/performance.md).
     if problem.device.type != "cuda":
         return -5.0
     return 2.5 if max(problem.in_channels, problem.out_channels) > 128 else 1.0
