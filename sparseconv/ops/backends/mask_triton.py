@@ -255,7 +255,8 @@ SPACE = tuple([_params(t, s) for t in range(len(TILES)) for s in (True, False)]
 
 
 # The adaptive pool, by the widest channel count: (tiles in one group, tiles in 2 groups, in 3).
-# From a tile sweep on an H200 (scripts/sweep_mask_tiles.py, now in git history) (street4 and room2 submanifold maps, 2026-11-21):
+# From a tile sweep on an H200 (street4 and room2 submanifold maps, 2026-11-21; the sweep script
+# is in git history):
 # the five-stage tiles lead from C = 128 up (C = 256: 128x256x64 in 2 groups, 0.97 ms against
 # 1.50 ms for the best three-stage tile); at C <= 64 the short tiles stay ahead.
 POOL_TILES = {
@@ -271,7 +272,8 @@ def pool(problem: ConvProblem, level: str) -> list[Mapping]:
     auto = [_params(t) for t in single]
     if problem.kernel_volume > 8:
         # Sorted by one 27-bit mask, a 64-row tile of a street scene visits offsets that only 65%
-        # of its rows have; sorted per group of 9-14 offsets, 92-98% (street4; the measuring script is in git history).
+        # of its rows have; sorted per group of 9-14 offsets, 92-98% (street4; the measuring
+        # script is in git history).
         auto += [_params(t, True, 2) for t in two] + [_params(t, True, 3) for t in three]
     return tk.pool_on(problem, level, SPACE, auto)
 
