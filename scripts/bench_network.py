@@ -48,6 +48,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from anchors import anchor_tensor, import_anchor  # noqa: E402
@@ -326,9 +327,9 @@ def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> float |
 
 
 def profile_ours(coords, dtype, device) -> None:
-    """Where ours spends host time: per pass kind (inference with new coordinates, inference and
-    training step with the same ones), the torch ops each line of sparseconv issues (count,
-    launches, host ms), then the host syncs by line."""
+    """Where ours spends host time: per pass kind (inference and training step, new and kept
+    coordinates), the torch ops each line of sparseconv issues (count, host ms), then the host
+    syncs by line and a cProfile of one training step."""
     runner = Runner("ours", coords, dtype, device)
     passes = {"infer new": runner.infer, "infer same": lambda: runner.infer(same=True),
               "step same": lambda: runner.step(same=True), "step new": runner.step}
@@ -337,23 +338,12 @@ def profile_ours(coords, dtype, device) -> None:
             fn()
     sync(device)
     for label, fn in passes.items():
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        with OpSites() as sites:
             fn()
             sync(device)
-        sites: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0])
-        events = prof.events()
-        for event in events:
-            if not event.name.startswith("aten::") or (event.cpu_parent is not None and event.cpu_parent.name.startswith("aten::")):
-                continue
-            site = sites[f"{_caller(event)}  {event.name}"]
-            site[0] += 1
-            site[1] += _launches(event)
-            site[2] += event.cpu_time_total / 1e3
-        total_launches = sum(e.name in LAUNCHES for e in events)
-        print(f"\n{label}: {total_launches} launches; top torch-op sites by host ms (count, launches, ms)")
-        for site, (count, launches, ms) in sorted(sites.items(), key=lambda kv: -kv[1][2])[:40]:
-            print(f"  {count:5d} {launches:5d} {ms:8.2f}  {site}")
+        print(f"\n{label}: {sum(c for c, _ in sites.counts.values())} torch ops; top sites by host ms (ops, ms)")
+        for site, (count, ms) in sorted(sites.counts.items(), key=lambda kv: -kv[1][1])[:40]:
+            print(f"  {count:5d} {ms:8.2f}  {site}")
     if device.type == "cuda":
         print("host syncs of one new-coordinate inference, by the line that caused them:")
         for site, count in sync_sites(runner.infer).most_common():
@@ -368,25 +358,27 @@ def profile_ours(coords, dtype, device) -> None:
     print("cProfile of one training step, new coordinates\n" + text.getvalue())
 
 
-LAUNCHES = {"cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemsetAsync"}
+class OpSites(TorchDispatchMode):
+    """Counts the torch ops each line of sparseconv issues, with their host time (launch and any
+    wait included): the profiler's Python stacks are not available on every torch build."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
 
-def _caller(event) -> str:
-    """The innermost sparseconv line (a Python-function event of with_stack) above ``event``."""
-    parent = event.cpu_parent
-    while parent is not None and not _ours(parent.name):
-        parent = parent.cpu_parent
-    return parent.name.split("sparseconv/", 1)[-1] if parent is not None else "(outside sparseconv)"
-
-
-def _ours(frame: str) -> bool:
-    """A Python-function event of sparseconv's own code (the profiler may shorten its path)."""
-    return ".py(" in frame and "bench_network" not in frame and (
-        "sparseconv/" in frame or not any(lib in frame for lib in ("torch/", "triton/", "warp/", "<", "site-packages")))
-
-
-def _launches(event) -> int:
-    return sum(child.name in LAUNCHES or _launches(child) for child in event.cpu_children) if event.cpu_children else 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame is not None and not ("/sparseconv/" in frame.f_code.co_filename
+                                         and "site-packages" not in frame.f_code.co_filename):
+            frame = frame.f_back
+        where = "(outside sparseconv)" if frame is None else (
+            f"{frame.f_code.co_filename.rsplit('/sparseconv/', 1)[1]}:{frame.f_lineno} {frame.f_code.co_name}")
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        entry = self.counts[f"{where}  {func.__name__}"]
+        entry[0] += 1
+        entry[1] += 1e3 * (time.perf_counter() - start)
+        return out
 
 
 def sync_sites(fn) -> collections.Counter:
