@@ -208,6 +208,8 @@ def test_one_pair_per_row_maps_are_recognised_and_tiled():
     tiles = cutlass_gemm._pair_blocks(up, 16)
     covered = [p for k, first, count in tiles.tolist() for p in range(first, first + count)]
     assert covered == list(range(up.num_pairs)) and int(tiles[:, 2].max()) <= 16
+    ptr = up.pairs[2].tolist()
+    assert all(ptr[k] <= first and first + count <= ptr[k + 1] for k, first, count in tiles.tolist())
 
 
 # ------------------------------------------------------------------------------- GPU ------------
