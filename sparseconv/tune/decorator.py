@@ -77,13 +77,22 @@ def autotune(
                     chosen[cache_key] = config
             return fn(config, *args, **kwargs)
 
+        def _stored_winner(entry: Any) -> Any:
+            """The config an entry names, or None: a malformed entry (another version, a hand
+            edit) is re-timed rather than crashing the call."""
+            winner = entry.get("winner") if isinstance(entry, dict) else None
+            if not isinstance(winner, dict):
+                return None
+            try:
+                return by_encoding.get(repr(sorted(winner.items())))
+            except TypeError:  # keys that do not sort
+                return None
+
         def _choose(cache_key: str, device: torch.device, args, kwargs) -> Any:
             store = cache or _shared_cache()
-            entry = store.get(namespace, cache_key)
-            if entry is not None:
-                known = by_encoding.get(repr(sorted(entry["winner"].items())))
-                if known is not None:
-                    return known
+            known = _stored_winner(store.get(namespace, cache_key))
+            if known is not None:
+                return known
             plan = plan_for(device)
             timer = Timer(device, TimingPlan(num_warmup if num_warmup is not None else plan.warmup,
                                              num_timing if num_timing is not None else plan.repeats, plan.flush_l2))

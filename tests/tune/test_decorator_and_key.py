@@ -63,6 +63,23 @@ def test_autotune_winner_survives_in_the_cache_file():
     assert calls == [Split(4)]
 
 
+@pytest.mark.parametrize("winner", ["Split(4)", [["factor", 4]], {1: 4, "a": 1}, None])
+def test_a_malformed_stored_winner_is_timed_again_not_a_crash(winner):
+    @dataclass(frozen=True)
+    class Split(Config):
+        factor: int
+
+    @autotune(configs=[Split(1), Split(4)], key=["N"], num_warmup=0, num_timing=2)
+    def kernel(config, x):
+        time.sleep(0.004 if config.factor == 1 else 0.0)
+        return x * config.factor
+
+    cache = sparseconv.tune.get_tuner().cache
+    cache_key = f"{device_identity(torch.device('cpu'))}|N=7"
+    cache.put(kernel.autotune_namespace, cache_key, {"winner": winner, "evidence": 1, "updated": time.time()})
+    assert torch.equal(kernel(torch.ones(1), N=7), torch.full((1,), 4.0))
+
+
 def test_config_round_trips_through_json_and_files(tmp_path):
     candidate = Candidate.of("explicit_gemm_grouped", {"max_waste": 0.5})
     assert Candidate.from_json(candidate.to_json()) == candidate
