@@ -420,6 +420,7 @@ BAD_CACHES = [
     BadCache("newer-schema", lambda: msgpack.packb({"schema": SCHEMA_VERSION + 1, "entries": {}}),
              f"old-schema-{SCHEMA_VERSION + 1}"),
     BadCache("foreign-schema-name", lambda: msgpack.packb({"schema": "warpconvnet-3", "entries": {}}), "old-schema-unknown"),
+    BadCache("schema-a-bool", lambda: msgpack.packb({"schema": True, "entries": {}}), "old-schema-unknown"),
     BadCache("foreign-document", lambda: msgpack.packb({"format": "someone-elses", "data": [1, 2]}), "corrupt-*"),
     BadCache("read-only-dir-valid-file", valid_doc_bytes, None, writable=False),
     BadCache("read-only-dir-corrupt-file", lambda: b"\xc1\xc1\xc1", None, writable=False),

@@ -126,8 +126,8 @@ def _read(path: pathlib.Path) -> _Entries:
         raise _Unusable(f"not valid msgpack: {type(exc).__name__}: {exc}", _CORRUPT) from None
     if not isinstance(doc, dict) or "schema" not in doc:
         raise _Unusable(f"not a cache document: {type(doc).__name__} without 'schema'", _CORRUPT)
-    if doc["schema"] != SCHEMA_VERSION:
-        tag = doc["schema"] if isinstance(doc["schema"], int) else "unknown"
+    if type(doc["schema"]) is not int or doc["schema"] != SCHEMA_VERSION:  # True == 1, but is no schema
+        tag = doc["schema"] if type(doc["schema"]) is int else "unknown"
         raise _Unusable(f"schema {doc['schema']!r}, expected {SCHEMA_VERSION}", f"old-schema-{tag}")
     if not isinstance(doc.get("entries"), dict):
         raise _Unusable("'entries' is not a dict", _CORRUPT)
