@@ -38,7 +38,8 @@ _LOCK_POLL_S = 0.005
 
 
 class _Unusable(Exception):
-    """The cache file cannot be used as a whole; args: (reason, suffix to move it aside under)."""
+    """The cache file cannot be used as a whole; args: (reason, suffix to move it aside under, or
+    None: leave it in place and never write it, as for a newer sparseconv's file)."""
 
 
 def _entry_problem(entry: Any) -> str | None:
@@ -126,6 +127,9 @@ def _read(path: pathlib.Path) -> _Entries:
         raise _Unusable(f"not valid msgpack: {type(exc).__name__}: {exc}", _CORRUPT) from None
     if not isinstance(doc, dict) or "schema" not in doc:
         raise _Unusable(f"not a cache document: {type(doc).__name__} without 'schema'", _CORRUPT)
+    if type(doc["schema"]) is int and doc["schema"] > SCHEMA_VERSION:
+        # Another installed version shares the directory: its file is not ours to replace.
+        raise _Unusable(f"schema {doc['schema']}, newer than this sparseconv's {SCHEMA_VERSION}", None)
     if type(doc["schema"]) is not int or doc["schema"] != SCHEMA_VERSION:  # True == 1, but is no schema
         tag = doc["schema"] if type(doc["schema"]) is int else "unknown"
         raise _Unusable(f"schema {doc['schema']!r}, expected {SCHEMA_VERSION}", f"old-schema-{tag}")
@@ -185,6 +189,7 @@ class TuneCache:
         self._last_attempt = -math.inf
         self._writing = False
         self._unwritable_warned = False
+        self._newer_file = False  # the file belongs to a newer sparseconv: never written
         self._atexit_installed = self._sigterm_installed = False
         # Order: _io_lock -> file lock -> _mem_lock. Reentrant because the SIGTERM handler runs
         # on the main thread, possibly in the middle of one of our own critical sections.
@@ -337,7 +342,10 @@ class TuneCache:
         except _Unusable as exc:
             reason, suffix = exc.args
             fate = "left in place"
-            if move_aside:
+            if suffix is None:
+                self._newer_file = True
+                fate = "left in place, and this process keeps its tunings in memory"
+            elif move_aside:
                 if suffix == _CORRUPT:
                     suffix += f"-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
                 aside = self.path.with_name(f"{self.path.name}.{suffix}")
@@ -373,6 +381,8 @@ class TuneCache:
 
     def _write(self, pending: _Entries) -> bool:
         """Merge ``pending`` with the file under the lock and write it; returns whether it wrote."""
+        if self._newer_file:
+            return False
         try:
             with self._file_lock() as held:
                 if not held:
