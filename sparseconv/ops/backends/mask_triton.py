@@ -83,7 +83,8 @@ MASK_ROWS = 128
 
 
 def _width(width: int) -> int:
-    return max(16, 1 << (width - 1).bit_length())
+    """The kernels' block width for ``width`` offsets: the power of two tl.arange needs (at least 16)."""
+    return max(16, tk.kernels().triton.next_power_of_2(width))
 
 
 def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
