@@ -173,7 +173,7 @@ def test_grouped_gather_table_and_tile_offsets_match_the_neighbour_table(forward
         group_table, group_order, _ = cutlass_gemm.gather_table(kernel_map, forward, (lo, hi))
         expected = plain[group_order.long(), lo:hi].t()
         assert torch.equal(group_table, torch.where(expected >= 0, expected, torch.full_like(expected, sources)))
-        assert torch.equal(group_order, mask_triton.sorted_rows(kernel_map, forward, True, (lo, hi)))
+        assert torch.equal(group_order.long(), mask_triton.sorted_rows(kernel_map, forward, True, (lo, hi)))
     block_m = 32
     active = mask_triton.tile_offsets(kernel_map, forward, True, block_m)
     offsets, counts = mask_triton.active_lists(kernel_map, forward, True, block_m)

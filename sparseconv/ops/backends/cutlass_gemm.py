@@ -172,9 +172,9 @@ def gather_table(kernel_map: KernelMap, forward: bool,
     def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor, int]:
         sources = m.num_in if forward else m.num_out
         order = sorted_rows(m, forward, True, group)
-        table = product_table(m, forward)[order.long(), lo:hi]
+        table = product_table(m, forward)[order, lo:hi]
         table = torch.where(table >= 0, table, torch.full_like(table, sources))
-        return table.t().contiguous().to(torch.int32), order, sources
+        return table.t().contiguous().to(torch.int32), order.to(torch.int32), sources
 
     return kernel_map.derived(("cutlass_rows", forward, lo, hi), build)
 

@@ -38,7 +38,7 @@ def offset_groups(kernel_volume: int, splits: int) -> list[tuple[int, int]]:
 
 
 def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[int, int] | None = None) -> torch.Tensor:
-    """(rows,) int32 visiting order of the product's rows, by their neighbour mask over the offsets
+    """(rows,) int64 visiting order of the product's rows, by their neighbour mask over the offsets
     of ``group`` (default: all) if ``sort``; cached on the map."""
     lo, hi = group or (0, kernel_map.kernel_volume)
 
@@ -65,18 +65,16 @@ def _triton_available() -> bool:
 
 def fused_row_order(table: torch.Tensor, lo: int, hi: int, counts: torch.Tensor) -> torch.Tensor:
     """:func:`row_order` of ``table[:, lo:hi]`` by one mask kernel and one sort; ``counts``: the
-    (hi - lo,) pairs per offset, which set the bit order (rarest most significant)."""
+    (hi - lo,) pairs per offset, which set the bit order (rarest most significant; the kernel
+    ranks them itself)."""
     width, rows = hi - lo, table.shape[0]
     bits = min(width, 63)
-    rarest = torch.argsort(counts, stable=True)[:bits]
-    bit = torch.full((width,), -1, dtype=torch.int32, device=table.device)
-    bit[rarest] = torch.arange(bits - 1, -1, -1, dtype=torch.int32, device=table.device)
     # 32-bit keys when they fit: half the radix passes of the sort.
     masks = torch.empty(rows, dtype=torch.int32 if bits <= 31 else torch.int64, device=table.device)
     kernels = tk.kernels()
     kernels.row_masks[(kernels.triton.cdiv(rows, MASK_ROWS),)](
-        table, bit, masks, rows, table.stride(0), lo, width, BLOCK=MASK_ROWS, WIDTH=_width(width))
-    return torch.sort(masks, stable=True).indices.to(torch.int32)
+        table, counts, masks, rows, table.stride(0), lo, width, BLOCK=MASK_ROWS, WIDTH=_width(width), BITS=bits)
+    return torch.sort(masks, stable=True).indices
 
 
 MASK_ROWS = 128
@@ -99,7 +97,7 @@ def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
 
 
 def row_order(table: torch.Tensor, sort: bool) -> torch.Tensor:
-    """(N,) int32 order of rows: if ``sort``, by neighbour bitmask read with the rarest offset as
+    """(N,) int64 order of rows: if ``sort``, by neighbour bitmask read with the rarest offset as
     the most significant bit (up to 63 offsets, the rarest ones), ties in row order.
 
     Lexicographic order keeps a tile's rows equal in the leading bits; the bits that vary inside
@@ -108,9 +106,9 @@ def row_order(table: torch.Tensor, sort: bool) -> torch.Tensor:
     submanifold map, 45% against 42% for room2's (CPU, the benchmark scenes)."""
     n = table.shape[0]
     if not sort or n == 0:
-        return torch.arange(n, dtype=torch.int32, device=table.device)
+        return torch.arange(n, dtype=torch.int64, device=table.device)
     present = table >= 0
-    return bitmask_order(present, torch.argsort(present.sum(0), stable=True)[:63]).to(torch.int32)
+    return bitmask_order(present, torch.argsort(present.sum(0), stable=True)[:63])
 
 
 def bitmask_order(present: torch.Tensor, bit_order: torch.Tensor) -> torch.Tensor:
@@ -129,34 +127,14 @@ def tile_offsets(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
                  group: tuple[int, int] | None = None) -> torch.Tensor:
     """(tiles, offsets of ``group``) bool: True where some row of the tile of ``block_m`` visited
     rows has a neighbour through that offset (cached on the map per tile height and group)."""
-    return _tile_lists(kernel_map, forward, sort, block_m, group)[0]
+    return tile_plan(kernel_map, forward, sort, block_m, group)[0]
 
 
 def active_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
                  group: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """((tiles, offsets of ``group``) int32 offsets each tile uses (used ones first, each part in
     offset order), the first ``count`` of each row valid; (tiles,) int32 count)."""
-    return _tile_lists(kernel_map, forward, sort, block_m, group)[1:]
-
-
-def _tile_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
-                group: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    lo, hi = group or (0, kernel_map.kernel_volume)
-
-    def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = sorted_rows(m, forward, sort, group)
-        table = product_table(m, forward)
-        if fused(table):
-            used, offsets, counts, _ = _plan(table, rows, lo, hi, block_m, lists=True, slots=False)
-            return used.view(torch.bool), offsets, counts
-        tiles = -(-rows.numel() // block_m)
-        present = torch.zeros((tiles * block_m, hi - lo), dtype=torch.bool, device=rows.device)
-        present[: rows.numel()] = table[rows.long(), lo:hi] >= 0
-        used = present.view(tiles, block_m, hi - lo).any(1)
-        order = torch.argsort((~used).to(torch.int8), dim=1, stable=True) + lo
-        return used, order.to(torch.int32).contiguous(), used.sum(1, dtype=torch.int32)
-
-    return kernel_map.derived(("tile_lists", forward, sort, block_m, lo, hi), build)
+    return tile_plan(kernel_map, forward, sort, block_m, group)[1:3]
 
 
 def tile_slots(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
@@ -165,43 +143,48 @@ def tile_slots(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
     holding, tile after tile and for each slot of the tile's offset list (active offsets first),
     the ``block_m`` source rows of its visited rows (-1 = none, also past the last row); and
     (tiles,) int64 where each tile's part starts. One int32 per row and offset of ``group``."""
+    return tile_plan(kernel_map, forward, sort, block_m, group)[3:]
+
+
+def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, group: tuple[int, int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every tile view of one (direction, order, tile height, group), built together and cached on
+    the map: :func:`tile_offsets`, :func:`active_lists` (2), :func:`tile_slots` (2)."""
     lo, hi = group or (0, kernel_map.kernel_volume)
 
-    def build(m: KernelMap) -> tuple[torch.Tensor, torch.Tensor]:
+    def build(m: KernelMap) -> tuple[torch.Tensor, ...]:
         rows = sorted_rows(m, forward, sort, group)
         table = product_table(m, forward)
+        width, device = hi - lo, table.device
         tiles = -(-rows.numel() // block_m)
         # Every tile keeps room for all offsets of the group (its unused list slots hold -1 and
         # are never read): compacting to the listed ones needed their total on the host, a sync.
-        starts = torch.arange(tiles, dtype=torch.int64, device=table.device) * ((hi - lo) * block_m)
+        starts = torch.arange(0, tiles * width * block_m, width * block_m, dtype=torch.int64, device=device)
         if fused(table):
-            return _plan(table, rows, lo, hi, block_m, lists=False, slots=True)[3], starts
-        offsets, counts = active_lists(m, forward, sort, block_m, group)
-        padded = torch.full((tiles * block_m, hi - lo), -1, dtype=torch.int32, device=table.device)
-        padded[: rows.numel()] = table[rows.long(), lo:hi]
+            # One launch and one int32 buffer for the lists, counts and slots (each torch op costs
+            # the host ~10-20 µs on a new map; this view is rebuilt for every new point cloud).
+            used = torch.empty((tiles, width), dtype=torch.int8, device=device)
+            flat = torch.empty(tiles * width * (block_m + 1) + tiles, dtype=torch.int32, device=device)
+            offsets = flat[: tiles * width].view(tiles, width)
+            counts = flat[tiles * width: tiles * (width + 1)]
+            slots = flat[tiles * (width + 1):]
+            if tiles:
+                tk.kernels().tile_plan[(tiles,)](
+                    table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0), lo, width,
+                    BLOCK_M=block_m, WIDTH=_width(width))
+            return used.view(torch.bool), offsets, counts, slots, starts
+        present = torch.zeros((tiles * block_m, width), dtype=torch.bool, device=device)
+        present[: rows.numel()] = table[rows, lo:hi] >= 0
+        used = present.view(tiles, block_m, width).any(1)
+        offsets = (torch.argsort((~used).to(torch.int8), dim=1, stable=True) + lo).to(torch.int32).contiguous()
+        padded = torch.full((tiles * block_m, width), -1, dtype=torch.int32, device=device)
+        padded[: rows.numel()] = table[rows, lo:hi]
         # (tiles, list slot, row in tile): the source row of each visited row through the listed offset
-        per_tile = padded.view(tiles, block_m, hi - lo).gather(
+        per_tile = padded.view(tiles, block_m, width).gather(
             2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
-        return per_tile.reshape(-1), starts
+        return used, offsets, used.sum(1, dtype=torch.int32), per_tile.reshape(-1), starts
 
-    return kernel_map.derived(("tile_slots", forward, sort, block_m, lo, hi), build)
-
-
-def _plan(table: torch.Tensor, rows: torch.Tensor, lo: int, hi: int, block_m: int, lists: bool, slots: bool):
-    """One tile_plan launch: (used (tiles, width) int8, offsets (tiles, width) int32, counts
-    (tiles,) int32, slots (tiles * width * block_m,) int32); those not asked for are empty."""
-    width, device = hi - lo, table.device
-    tiles = -(-rows.numel() // block_m)
-    shape = (tiles, width) if lists else (0, width)
-    used = torch.empty(shape, dtype=torch.int8, device=device)
-    offsets = torch.empty(shape, dtype=torch.int32, device=device)
-    counts = torch.empty(tiles if lists else 0, dtype=torch.int32, device=device)
-    flat = torch.empty(tiles * width * block_m if slots else 0, dtype=torch.int32, device=device)
-    if tiles:
-        tk.kernels().tile_plan[(tiles,)](
-            table, rows, used, offsets, counts, flat, rows.numel(), table.stride(0), lo, width,
-            BLOCK_M=block_m, WIDTH=_width(width), LISTS=lists, SLOTS=slots)
-    return used, offsets, counts, flat
+    return kernel_map.derived(("tile_plan", forward, sort, block_m, lo, hi), build)
 
 
 def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -> torch.Tensor:
@@ -216,8 +199,7 @@ def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -
     sort = bool(params.get("sort", True))
     for step, group in enumerate(offset_groups(table.shape[1], int(params.get("splits", 1)))):
         rows = sorted_rows(kernel_map, forward, sort, group)
-        offsets, counts = active_lists(kernel_map, forward, sort, bm, group)
-        slots, starts = tile_slots(kernel_map, forward, sort, bm, group)
+        _, offsets, counts, slots, starts = tile_plan(kernel_map, forward, sort, bm, group)
         grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
         kernels.rows_gemm[grid](
             a, w, slots, starts, rows, offsets, counts, out, table.shape[0], reduce_dim, out_dim,

@@ -155,21 +155,30 @@ def kernels() -> SimpleNamespace:
             tl.store(target, acc, mask=rm_ok[:, None] & rn_ok[None, :])
 
     @triton.jit
-    def row_masks(table_ptr, bit_ptr, out_ptr, rows, row_stride, lo, width,
-                  BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-        """out[i] = OR over offsets k of ``lo + k`` present in row i of 1 << bit[k] (bit < 0: skipped)."""
-        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, lo, width,
+                  BLOCK: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr):
+        """out[i] = the bitmask of the offsets ``lo + k`` present in row i, the rarest offset (fewest
+        pairs, ``count_ptr[k]``; ties by offset) most significant; only the ``BITS`` rarest get a bit."""
         k = tl.arange(0, WIDTH)
-        bit = tl.load(bit_ptr + k, mask=k < width, other=-1)
+        j = tl.arange(0, WIDTH)
+        count_k = tl.load(count_ptr + k, mask=k < width, other=0)
+        count_j = tl.load(count_ptr + j, mask=j < width, other=0)
+        # rank[k]: how many offsets are rarer than k (a WIDTH x WIDTH compare instead of an argsort
+        # launch and three torch ops per view on the host).
+        rarer = (count_j[None, :] < count_k[:, None]) | ((count_j[None, :] == count_k[:, None]) & (j[None, :] < k[:, None]))
+        rank = tl.sum((rarer & (j[None, :] < width)).to(tl.int32), axis=1)
+        bit = BITS - 1 - rank
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = (r[:, None] < rows) & (k[None, :] < width)
         present = tl.load(table_ptr + r[:, None].to(tl.int64) * row_stride + lo + k[None, :], mask=ok, other=-1) >= 0
         one = tl.full((BLOCK, WIDTH), 1, tl.int64)
         weight = tl.where(present & (bit[None, :] >= 0), one << tl.maximum(bit, 0).to(tl.int64)[None, :], 0)
-        tl.store(out_ptr + r, tl.sum(weight, axis=1), mask=r < rows)  # distinct powers of two: the sum is the OR
+        masks = tl.sum(weight, axis=1)  # distinct powers of two: the sum is the OR
+        tl.store(out_ptr + r, masks.to(out_ptr.dtype.element_ty), mask=r < rows)
 
     @triton.jit
     def tile_plan(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, rows, row_stride, lo, width,
-                  BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, LISTS: tl.constexpr, SLOTS: tl.constexpr):
+                  BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
         """One tile of BLOCK_M visited rows: which offsets of [lo, lo + width) it uses, their list
         (used first, each part in offset order) and count, and per list slot its rows' sources."""
         tile = tl.program_id(0)
@@ -182,13 +191,11 @@ def kernels() -> SimpleNamespace:
         count = tl.sum(used, axis=0)
         unused = tl.where(k < width, 1 - used, 0)
         slot = tl.where(used > 0, tl.cumsum(used, axis=0) - 1, count + tl.cumsum(unused, axis=0) - 1)
-        if LISTS:
-            tl.store(used_ptr + tile.to(tl.int64) * width + k, used.to(tl.int8), mask=k < width)
-            tl.store(list_ptr + tile.to(tl.int64) * width + slot, lo + k, mask=k < width)
-            tl.store(count_ptr + tile, count)
-        if SLOTS:
-            at = tile.to(tl.int64) * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-            tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
+        tl.store(used_ptr + tile.to(tl.int64) * width + k, used.to(tl.int8), mask=k < width)
+        tl.store(list_ptr + tile.to(tl.int64) * width + slot, lo + k, mask=k < width)
+        tl.store(count_ptr + tile, count)
+        at = tile.to(tl.int64) * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
 
     return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad,
                            row_masks=row_masks, tile_plan=tile_plan)
