@@ -212,7 +212,8 @@ class CoordHashTable:
         # Load factor <= 0.5 keeps linear-probe chains short (expected ~1.5 probes per hit).
         capacity = max(16, 1 << (2 * max(n, 1) - 1).bit_length())
         keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
-        values = torch.full((capacity,), -1, dtype=torch.int32, device=coords.device)
+        # A value is read only where its slot's key matched, i.e. after its insert wrote it: no fill.
+        values = torch.empty((capacity,), dtype=torch.int32, device=coords.device)
         if n:
             wp, insert, _ = _kernels()
             packed = (pack_coords(coords) if packed is None else packed).contiguous()

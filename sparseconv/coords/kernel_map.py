@@ -16,8 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -25,9 +24,11 @@ Triple = tuple[int, int, int]
 V = TypeVar("V")
 
 
-@dataclass(frozen=True)
-class KernelMapKey:
-    """What a kernel map depends on: the source coordinate set and the conv geometry."""
+class KernelMapKey(NamedTuple):
+    """What a kernel map depends on: the source coordinate set and the conv geometry.
+
+    A named tuple, not a frozen dataclass: every conv call makes one and looks it up, and the
+    tuple's C-level construction, hash and equality cost a fraction of the dataclass's."""
 
     source: int
     kernel_size: Triple

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._args import triple
-from ..ops.conv import AlgoPins, sparse_conv3d
+from ..ops.conv import AlgoPins, checked_conv3d
 from ..ops.dispatch import Pin
 from ..tensor import SparseTensor
 
@@ -72,25 +72,19 @@ class SparseConv3d(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, input: SparseTensor) -> SparseTensor:
-        if isinstance(input, SparseTensor) and input.feats.shape[1] != self.in_channels:
+        if not isinstance(input, SparseTensor):
+            raise TypeError(f"{type(self).__name__} takes a SparseTensor, got {type(input).__name__}")
+        if input.feats.shape[1] != self.in_channels:
             raise ValueError(
                 f"{type(self).__name__} expects {self.in_channels} channels (in_channels), got a SparseTensor "
                 f"with {input.feats.shape[1]}"
             )
-        return sparse_conv3d(
-            input,
-            self.weight,
-            self.bias,
-            self.kernel_size,
-            self.stride,
-            self.dilation,
-            self.transposed,
-            self.generative,
-            self.pins.fwd,
-            self.pins.dgrad,
-            self.pins.wgrad,
-            self.algorithms,
-        )
+        if self.weight.device != input.feats.device:
+            raise ValueError(f"{type(self).__name__}'s weight is on {self.weight.device} but the input is on "
+                             f"{input.feats.device} (move the module with .to(device))")
+        # The geometry and pins were checked at construction: skip sparse_conv3d's per-call checks.
+        return checked_conv3d(input, self.weight, self.bias, self.kernel_size, self.stride, self.dilation,
+                              self.transposed, self.generative, self.pins, self.algorithms)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight in torch's layout: Conv3d (C_out, C_in, kx, ky, kz), or ConvTranspose3d
