@@ -7,8 +7,6 @@
 //   SC_TB_K       64: channels per pipeline stage (one 128-byte swizzle atom of 16-bit elements)
 //   SC_STAGES     depth of the shared-memory ring between the gathering warps and the wgmma warps
 //   SC_CONSUMERS  1 or 2 wgmma warpgroups; the block owns BM = 64 * SC_CONSUMERS output slots
-//   SC_PRODUCER_FENCE  optional, default 0; 1 = the conservative stage signalling below (not shipped)
-//   SC_EPILOGUE_PROBE  optional, default 0; 1 = the epilogue stores nothing (to time the rest; fails every check)
 // It defines two extern "C" kernels, sc90_rows_ab and sc90_rows_abt, with the semantics of
 // sc_rows_ab / sc_rows_abt in sparse_gemm.cu but a per-tile list of offsets instead of a mask:
 //   for every slot s of [0, rows): d[order[s]] (+)= sum over the tile's listed offsets k of
@@ -83,15 +81,6 @@ using Element = cutlass::bfloat16_t;
 #endif
 #if SC_TB_N % (32 * SC_EPILOGUE_BATCH) != 0
 #error "SC_EPILOGUE_BATCH chunks of 32 columns must divide SC_TB_N"
-#endif
-// SC_PRODUCER_FENCE=1 (not shipped; a fallback to compare against): instead of the asynchronous
-// cp.async.mbarrier.arrive.noinc, each gathering thread waits for its copies of the previous
-// step (cp.async.wait_group 1), fences them into the async proxy itself and then arrives.
-#ifndef SC_PRODUCER_FENCE
-#define SC_PRODUCER_FENCE 0
-#endif
-#if SC_PRODUCER_FENCE && SC_STAGES < 3
-#error "SC_PRODUCER_FENCE signals a stage one step late and needs SC_STAGES >= 3"
 #endif
 
 namespace sc90 {
@@ -278,9 +267,6 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
     bool const copies_b = thread == 0;
     long long const b_tile_step = (long long)tiles_n * BN * BK;  // tile (k, kb, nb) to (k, kb + 1, nb)
     Ring ring, mailbox;
-#if SC_PRODUCER_FENCE
-    int pending = -1;  // the stage whose copies were issued but not yet announced
-#endif
     for (int tile = blockIdx.x; tile < tiles; tile = next_tile(shared, mailbox, thread == 0, next)) {
       int const pid_m = tile / tiles_n, pid_n = tile % tiles_n;
       int const m0 = pid_m * BM;
@@ -336,17 +322,7 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
             copy16(a_smem + ring.stage * kStageA + i * kPassBytesA,
                    ok ? a + (long long)source[i] * reduce + c0 + a_piece : a, ok);
           }
-#if SC_PRODUCER_FENCE
-          asm volatile("cp.async.commit_group;\n" ::: "memory");
-          if (pending >= 0) {  // the previous step's copies: landed, fenced, announced
-            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-            cutlass::arch::fence_view_async_shared();
-            Barrier::arrive(&shared.full[pending]);
-          }
-          pending = ring.stage;
-#else
           cutlass::arch::cpasync_barrier_arrive_noinc(&shared.full[ring.stage]);
-#endif
           ring.advance();
         }
         CUTE_UNROLL
@@ -357,12 +333,6 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
     }
     // Leave no copy in flight behind an exiting thread.
     asm volatile("cp.async.wait_all;\n" ::: "memory");
-#if SC_PRODUCER_FENCE
-    if (pending >= 0) {
-      cutlass::arch::fence_view_async_shared();
-      Barrier::arrive(&shared.full[pending]);
-    }
-#endif
   } else {
     // ------------------------------------------------------------ consumers: wgmma + epilogue
     if constexpr (kConsumers > 1) cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -395,12 +365,10 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
       clear(acc);
       for (int t = 0; t < steps; ++t) {
         Barrier::wait(&shared.full[ring.stage], ring.phase);
-#if !SC_PRODUCER_FENCE
         // cp.async writes through the generic proxy and wgmma reads through the async proxy, and
         // a gathering thread cannot fence copies that land after it has moved on: order the
         // stage's writes, acquired through the barrier, before this thread's wgmmas here instead.
         cutlass::arch::fence_view_async_shared();
-#endif
         warpgroup_fence_operand(acc);
         warpgroup_arrive();
         gemm(mma, tCrA(_, _, _, ring.stage), tCrB(_, _, _, ring.stage), acc);
@@ -485,9 +453,6 @@ __device__ void rows_gemm(Element const *__restrict__ a, Element const *__restri
             }
             // cols % 8 == 0: a group is wholly inside or wholly past the last column
             bool store = col[c] < cols && out_row[half] >= 0;
-#if SC_EPILOGUE_PROBE
-            store = store && pair[0] == 0x7fc07fc0u;  // never, for finite inputs: no stores, to time the rest
-#endif
             if (store) *reinterpret_cast<uint4 *>(d + out_row[half] + col[c]) = make_uint4(pair[0], pair[1], pair[2], pair[3]);
           }
         }

@@ -211,7 +211,8 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the logic (no ceilings, no anchors)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu: a dry run of the logic (no ceilings, no anchors)")
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
     parser.add_argument("--profile", action="store_true", help="profile one cell's forward+backward (torch.profiler) first")
     parser.add_argument("--log", action="store_true", help="log the tuner's sweeps and disqualifications to stderr")

@@ -89,11 +89,7 @@ class KernelMap:
         """The adjoint map (inputs and outputs swapped, same offset index): a transposed conv's map
         is the transpose of the strided conv that made its coordinates. It shares this map's
         pairs and counts and has this map's table as its transposed table, so nothing is built twice."""
-        adjoint = KernelMap(self.transposed_neighbors, self.num_out, self.kernel_size, self.identity_offset)
-        adjoint.transpose_of = self
-        adjoint.each_input_once, adjoint.each_output_once = self.each_output_once, self.each_input_once
-        adjoint.__dict__["transposed_neighbors"] = self.neighbors
-        return adjoint
+        return _AdjointMap(self)
 
     @functools.cached_property
     def transposed_neighbors(self) -> torch.Tensor:
@@ -157,6 +153,24 @@ class KernelMap:
             f"KernelMap(num_in={self.num_in}, num_out={self.num_out}, "
             f"kernel_size={self.kernel_size}, identity_offset={self.identity_offset})"
         )
+
+
+class _AdjointMap(KernelMap):
+    """:meth:`KernelMap.transposed`: its neighbour table (the source's transposed table, a scatter
+    of ~8 torch ops) is built only if a backend reads it; pair-list backends never do."""
+
+    def __init__(self, source: KernelMap) -> None:
+        self.__dict__["transposed_neighbors"] = source.neighbors
+        self.num_in, self.num_out = source.num_out, source.num_in
+        self.kernel_size, self.kernel_volume = source.kernel_size, source.kernel_volume
+        self.identity_offset = source.identity_offset
+        self._derived = {}
+        self.transpose_of = source
+        self.each_input_once, self.each_output_once = source.each_output_once, source.each_input_once
+
+    @functools.cached_property
+    def neighbors(self) -> torch.Tensor:  # type: ignore[override] - an attribute of a queried map
+        return self.transpose_of.transposed_neighbors
 
 
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
