@@ -191,6 +191,7 @@ class TuneCache:
         self._unwritable_warned = False
         self._newer_file = False  # the file belongs to a newer sparseconv: never written
         self._atexit_installed = self._sigterm_installed = False
+        self._signalled: functools.partial | None = None  # a SIGTERM handler call held back by a write
         # Order: _io_lock -> file lock -> _mem_lock. Reentrant because the SIGTERM handler runs
         # on the main thread, possibly in the middle of one of our own critical sections.
         self._io_lock = threading.RLock()
@@ -244,6 +245,9 @@ class TuneCache:
                 return self._write(pending)
             finally:
                 self._writing = False
+                signalled, self._signalled = self._signalled, None
+                if signalled is not None:
+                    signalled()  # a SIGTERM that came mid-write: flush the rest, then act on it
 
     def clear(self) -> None:
         """Forget every entry, in memory and in the file."""
@@ -306,6 +310,11 @@ class TuneCache:
             logger.warning("tune cache %s: final flush failed", self.path, exc_info=True)
 
     def _on_sigterm(self, previous: Any, signum: int, frame: Any) -> None:
+        with self._io_lock:  # another thread's write finishes first; this thread's is interrupted
+            if self._writing:
+                # Dying now would drop the write this handler interrupted; flush() calls back when done.
+                self._signalled = functools.partial(self._on_sigterm, previous, signum, frame)
+                return
         self._flush_quietly()
         if callable(previous):
             previous(signum, frame)

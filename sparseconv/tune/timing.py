@@ -20,6 +20,10 @@ import torch
 CLOSE = 0.05
 
 
+class TooSlow(Exception):
+    """A call cost more than the limit it was measured under; args: (ms, limit_ms)."""
+
+
 @dataclass(frozen=True)
 class TimingPlan:
     """``repeats`` samples after ``warmup`` runs, but no more than ``budget_ms`` of timed runs
@@ -93,10 +97,24 @@ class Timer:
         return self.measure(fn, warmup, repeats)[:2]
 
     def measure(self, fn: Callable[[], object], warmup: int | None = None,
-                repeats: int | None = None) -> tuple[float, int, float]:
+                repeats: int | None = None, limit_ms: float = float("inf")) -> tuple[float, int, float]:
         """(median ms, samples, median host ms a call) after warm-up; the sample count follows the
-        plan's budget."""
-        warm = [self.once(fn) for _ in range(self.plan.warmup if warmup is None else warmup)]
+        plan's budget. Raises TooSlow when the first two calls each cost (the longer of device and
+        host time) more than ``limit_ms``; two, so that one preempted call is not the verdict.
+        These calls count as warm-up."""
+        warm: list[float] = []
+        if limit_ms != float("inf"):
+            costs = []
+            for _ in range(2):
+                ms, host = self._sample(fn)
+                warm.append(ms)
+                costs.append(max(ms, host))
+                if costs[-1] <= limit_ms:
+                    break
+            else:
+                raise TooSlow(min(costs), limit_ms)
+        warmup = self.plan.warmup if warmup is None else warmup
+        warm += [self.once(fn) for _ in range(warmup - len(warm))]
         if repeats is None:
             repeats = self.plan.repeats
             if warm and self.plan.budget_ms != float("inf"):

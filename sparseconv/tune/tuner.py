@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -21,12 +21,13 @@ from ..coords.kernel_map import KernelMap
 from ..ops.backends import registry
 from ..ops.problem import ConvProblem
 from ..precision import accumulator_dtype
+from . import faults
 from .cache import TuneCache
 from .configs import Candidate
 from .distributed import agree
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
-from .timing import CLOSE, Timer
+from .timing import CLOSE, Timer, TooSlow
 
 logger = logging.getLogger("sparseconv.tune")
 
@@ -80,6 +81,7 @@ class Tuner:
         self._cache = cache
         self._choices: dict[tuple, tuple[Candidate, registry.Backend]] = {}
         self._lock = threading.Lock()
+        self._reported: set[str] = set()  # candidates whose failure was logged as a warning
 
     @property
     def cache(self) -> TuneCache:
@@ -167,7 +169,9 @@ class Tuner:
         if effort != "none":
             missing = [c for c in pool if current(c) is None]
             if missing:
-                timings.update(self._sweep(namespace, problem, missing, a, b, kernel_map))
+                done = dict(timings)
+                timings.update(self._sweep(namespace, problem, missing, a, b, kernel_map,
+                                           store=lambda results: self._store(namespace, encoded, {**done, **results})))
                 fresh = missing
         ok = sorted((c for c in pool if (current(c) or {}).get("verdict") == "ok"), key=lambda c: cost(timings[c.id]))
         if ok and len(ok) > 1 and fresh:
@@ -191,14 +195,21 @@ class Tuner:
         return choice
 
     def _sweep(
-        self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map
+        self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map,
+        store: Callable[[dict[str, dict]], None] | None = None,
     ) -> dict[str, dict]:
+        """Timing records of ``candidates``; ``store`` is given the records so far after each one,
+        so a signal mid-sweep loses only the candidate being timed (see ``faults`` for failures)."""
         # The reference runs in the accumulator dtype: with half operands explicit_gemm rounds each
         # offset's product to half before summing, which on small values (an fp16 network's
         # gradients without loss scaling, ~1e-6: subnormal) put it 1.5e-2 to 5e-2 away from every
         # fp32-accumulating kernel (H100, 2026-11-25), and the guard then rejected all of them.
         wide = accumulator_dtype(a.dtype)
+        begin = time.perf_counter()
         reference = registry.get(FALLBACK).run(namespace, problem, {}, a.to(wide), b.to(wide), kernel_map)
+        if a.device.type == "cuda":
+            torch.cuda.synchronize(a.device)
+        limit_ms = faults.time_limit_ms(1e3 * (time.perf_counter() - begin))
         timer = Timer(a.device)
         results = {}
         for candidate in candidates:
@@ -210,20 +221,46 @@ class Tuner:
 
             record = {"backend": candidate.backend, "params": list(map(list, candidate.params)),
                       "version": backend.version, "ms": None, "samples": 0}
+            output, out_of_memory = faults.Captured(), False
             try:
-                failure = check_output(call(), reference, a.dtype)
+                with faults.captured_output() as output:  # the first call compiles: keep compilers off the terminal
+                    failure = check_output(call(), reference, a.dtype)
                 if failure is None:
-                    record["ms"], record["samples"], record["host_ms"] = timer.measure(call)
+                    record["ms"], record["samples"], record["host_ms"] = timer.measure(call, limit_ms=limit_ms)
                     record["verdict"] = "ok"
                 else:
                     record.update(verdict="wrong", reason=failure)
+            except TooSlow as slow:
+                ms, limit = slow.args
+                record.update(verdict="slow", reason=f"a call took {ms:.1f} ms, over the limit of {limit:.1f} ms "
+                              f"({faults.SLOW_FACTOR:g}x the reference + {faults.SLOW_FLOOR_MS:g} ms)")
             except Exception as error:  # noqa: BLE001 - a failing candidate is skipped, never fatal
-                if isinstance(error, torch.cuda.OutOfMemoryError):
-                    torch.cuda.empty_cache()
-                record.update(verdict="failed", reason=f"{type(error).__name__}: {error}"[:300])
+                record.update(verdict="failed", reason=faults.first_line(error))
+                out_of_memory = faults.is_out_of_memory(error)
+                logger.debug("sparseconv: %s failed for %s", candidate.id, namespace, exc_info=error)
+                broken = faults.probe(a.device)
+                if broken is not None:
+                    record["reason"] = f"broke the CUDA context: {record['reason']}"
+                    results[candidate.id] = record
+                    if store is not None:
+                        store(results)
+                    self.cache.flush(force=True)
+                    raise faults.poisoned(namespace, candidate.id, error, broken, recorded=store is not None) from error
+            if record["verdict"] == "failed" and out_of_memory and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # here, where the error's frames (and their tensors) are gone
+            if output.text:
+                logger.debug("sparseconv: output of %s's first call for %s:\n%s", candidate.id, namespace, output.text)
             if record["verdict"] != "ok":
-                logger.info("sparseconv: %s disqualified for %s: %s", candidate.id, namespace, record["reason"])
+                # One line per candidate; a WARNING (shown even where logging is not configured)
+                # only the first time a candidate fails to run in this process.
+                loud = record["verdict"] == "failed" and candidate.id not in self._reported
+                if loud:
+                    self._reported.add(candidate.id)
+                logger.log(logging.WARNING if loud else logging.INFO, "sparseconv: skipped %s for %s: %s",
+                           candidate.id, namespace, record["reason"])
             results[candidate.id] = record
+            if store is not None:
+                store(results)
         return results
 
     def _retime(self, namespace, problem, candidates: list[Candidate], timings: dict, a, b, kernel_map) -> None:
@@ -293,6 +330,9 @@ def _execute(
     except Exception as error:  # noqa: BLE001 - a tuned choice that fails later (e.g. OOM) falls back
         if candidate.backend == FALLBACK:
             raise
+        broken = faults.probe(a.device)
+        if broken is not None:  # the fallback would fail too, with a message that says nothing
+            raise faults.poisoned(namespace, candidate.id, error, broken, recorded=False) from error
         logger.warning("sparseconv: %s failed for %s (%s); running %s", candidate.id, namespace, error, FALLBACK)
         return registry.get(FALLBACK).run(namespace, problem, {}, a, b, kernel_map)
 
