@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "populate":
         dtypes = args.dtypes or (["float16"] if device.type == "cuda" else ["float32"])
         summary = populate(args.model, args.scenes, dtypes, args.steps, device, scale=args.scale, width=args.width)
-        print(f"tuned {summary.keys_tuned} keys in {summary.seconds:.1f} s ({summary.passes} passes); "
+        passes = f"{summary.passes} pass{'es' if summary.passes != 1 else ''}"
+        print(f"tuned {summary.keys_tuned} keys in {summary.seconds:.1f} s ({passes}); "
               f"{summary.keys_cached} entries for {summary.device} in the cache")
     if args.action == "export" or args.export is not None:
         path, count = export(args.path if args.action == "export" else args.export, device)
@@ -113,6 +114,7 @@ def populate(
                     _pass(net, coords, dtype)
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
+                    bar.set_postfix(scene=scene, dtype=dtype_name, keys=len(_this_device(identity)), refresh=False)
                     bar.update()
     seconds = time.perf_counter() - start
     from . import get_tuner
