@@ -1,5 +1,5 @@
-"""Command line: ``python -m sparseconv demo ...``, ``python -m sparseconv cache show|clear|export|merge|populate``
-and ``python -m sparseconv cutlass status|build``."""
+"""Command line: ``python -m sparseconv demo ...``, ``python -m sparseconv cache show|clear|export|merge|populate``,
+``python -m sparseconv tune populate|export`` and ``python -m sparseconv cutlass status|build``."""
 
 from __future__ import annotations
 
@@ -20,14 +20,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--plot", default=None, metavar="FILE.png", help="save a bird's-eye picture (needs matplotlib)")
     from .tune import cli as cache_cli
+    from .tune import populate as tune_cli
 
     from .ops.backends import cutlass_cli
 
     cache_cli.add_parser(commands)
+    tune_cli.add_parser(commands)
     cutlass_cli.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "cache":
         return cache_cli.run(args)
+    if args.command == "tune":
+        return tune_cli.run(args)
     if args.command == "cutlass":
         return cutlass_cli.run(args)
 

@@ -23,6 +23,7 @@ VARIABLES = {
     "SPARSECONV_AUTOTUNE_EFFORT": "none (heuristic, no timing) | quick (default: adaptive pool) | full (every candidate)",
     "SPARSECONV_CACHE_DIR": "directory of the tuning cache file (default ~/.cache/sparseconv)",
     "SPARSECONV_AUTOTUNE_LOG": "1: log every tuning sweep as a table, and the winner",
+    "SPARSECONV_SHIPPED_TUNINGS": "1 (default): use the tunings shipped for common GPUs under the cache | 0: ignore them",
     "SPARSECONV_NVCC": "nvcc for the CUTLASS backends (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",
     "SPARSECONV_CUTLASS_DIR": "CUTLASS checkout or include directory (default: the nvidia-cutlass package's headers)",
 }
@@ -49,6 +50,15 @@ def cache_dir() -> Path:
 
 def autotune_log() -> bool:
     return os.environ.get("SPARSECONV_AUTOTUNE_LOG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def shipped_tunings() -> bool:
+    value = os.environ.get("SPARSECONV_SHIPPED_TUNINGS", "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"SPARSECONV_SHIPPED_TUNINGS must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
 
 
 def triton_interpret() -> bool:

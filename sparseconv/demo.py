@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import config
 from .data import CLASS_NAMES, make_scene
 from .metrics import confusion_matrix, iou_per_class
 from .models import MinkUNet14
@@ -104,11 +106,19 @@ def run_demo(
 
         model = MinkUNet14(batches[0][0].num_channels, len(classes), width=width / 32, stem_kernel_size=3).to(dev)
         optimiser = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=1e-4)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, LEARNING_RATE, total_steps=steps, pct_start=0.1)
+        # OneCycleLR divides by pct_start * steps - 1, which is 0 for 0.1 at 10 steps.
+        warmup = 0.1 if steps != 10 else 0.2
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, LEARNING_RATE, total_steps=steps, pct_start=warmup)
         loss_fn = nn.CrossEntropyLoss(weight=_class_weights([labels for _, labels in batches], len(classes)))
 
         losses, step_seconds = [], []
         bar = _progress_bar(steps, f"training on {scene} scenes", progress)
+        # Each batch's first step meets new problem sizes, which the tuner times (then caches):
+        # the first TRAIN_BATCHES steps are the tuning phase, every later step reuses the choices.
+        tuning_steps = min(steps, TRAIN_BATCHES)
+        timed_before, effort = _tuned_count(), config.autotune_effort()
+        if bar is not None:
+            bar.write(f"tuning kernels for this {_device_kind(dev)} (first steps only)...", file=sys.stderr)
         for step in range(steps):
             x, labels = batches[step % len(batches)]
             _sync(dev)
@@ -120,6 +130,10 @@ def run_demo(
             schedule.step()
             losses.append(loss.item())  # the host sync also makes the step time honest
             step_seconds.append(time.perf_counter() - start)
+            if step + 1 == tuning_steps:
+                tuned = _tuned_count() - timed_before
+                if bar is not None:
+                    bar.write(_tuning_line(sum(step_seconds), tuned, tuning_steps, effort), file=sys.stderr)
             if bar is not None:
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
                 bar.update()
@@ -157,6 +171,8 @@ def run_demo(
         "data_seconds": data_s,
         "losses": losses,
         "step_seconds": step_seconds,
+        "tuning_steps": tuning_steps,
+        "tuned_problems": tuned,
         "classes": list(classes),
         "iou": iou.tolist(),
         "class_voxels": confusion.sum(1).tolist(),
@@ -180,6 +196,8 @@ def format_report(report: dict) -> str:
         f"training: {steps} steps of {report['batch_size']} scenes in {sum(seconds):.1f} s "
         f"({_median(seconds):.3f} s per step; the first took {seconds[0]:.2f} s: Warp JIT, kernel maps, "
         "algorithm choice)",
+        _tuning_line(sum(seconds[: report["tuning_steps"]]), report["tuned_problems"], report["tuning_steps"],
+                     report["tuner"]["effort"]),
         "",
         "loss, mean over each tenth of the training:",
         *_loss_table(losses),
@@ -197,7 +215,6 @@ def format_report(report: dict) -> str:
 
 def _tuner_report(model: torch.nn.Module) -> dict:
     """What the tuner chose for every conv layer (forward, dgrad, wgrad) and where it keeps that."""
-    from . import config
     from .nn import SparseConv3d
     from .tune import get_tuner
 
@@ -220,6 +237,27 @@ def _tuner_lines(report: dict) -> list[str]:
         lines.append(f"  {name:<{width}}  {fwd} / {dgrad} / {wgrad}")
     lines.append(f"tuning cache: {tuner['cache']}")
     return lines
+
+
+def _tuned_count() -> int:
+    """Entries in the tuner's cache: each problem the tuner times adds one."""
+    from .tune import get_tuner
+
+    return len(get_tuner().cache.items())
+
+
+def _device_kind(device: torch.device) -> str:
+    return "GPU" if device.type == "cuda" else "CPU"
+
+
+def _tuning_line(seconds: float, tuned: int, tuning_steps: int, effort: str) -> str:
+    """What the tuning phase (the first ``tuning_steps`` steps) cost, and how many problems it timed."""
+    head = f"tuning: the first {tuning_steps} step{'s' if tuning_steps > 1 else ''} took {seconds:.1f} s"
+    if tuned:
+        return f"{head}; {tuned} problems timed once, then cached"
+    if effort == "none":
+        return f"{head}; nothing timed (SPARSECONV_AUTOTUNE_EFFORT=none: untimed choices)"
+    return f"{head}; nothing timed: every choice came from the tuning cache or the shipped tunings"
 
 
 def _progress_bar(total: int, description: str, show: bool):

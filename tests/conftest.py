@@ -40,6 +40,8 @@ def isolated_tuner(tmp_path, monkeypatch):
                      "SPARSECONV_AUTOTUNE_EFFORT", "SPARSECONV_AUTOTUNE_LOG"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("SPARSECONV_CACHE_DIR", str(tmp_path / "sparseconv-cache"))
+    # Tests see what they tune, not the package's shipped GPU tunings (tests/tune/test_shipped.py turns them on).
+    monkeypatch.setenv("SPARSECONV_SHIPPED_TUNINGS", "0")
     sparseconv.tune.reset()
     yield
     sparseconv.tune.reset()

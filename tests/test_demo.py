@@ -84,3 +84,23 @@ def test_confusion_matrix_rejects_bad_ids():
         confusion_matrix(torch.tensor([0, 1]), torch.tensor([0, 3]), 3)
     with pytest.raises(ValueError, match="one shape"):
         confusion_matrix(torch.tensor([0, 1]), torch.tensor([0]), 3)
+
+
+def test_the_tuning_phase_is_shown_with_its_time_and_the_problems_it_timed(monkeypatch, capsys):
+    from sparseconv.tune import timing
+
+    # One timed sample a candidate: what is checked is the phase's report, not the timings.
+    monkeypatch.setattr(timing, "plan_for", lambda device: timing.TimingPlan(0, 1, False, min_repeats=1))
+    report = run_demo("room", 1, 0.02, "cpu", 2, 2, progress=True)
+    err = capsys.readouterr().err
+    assert "tuning kernels for this CPU (first steps only)..." in err
+    assert report["tuning_steps"] == 2 and report["tuned_problems"] > 0
+    line = f"tuning: the first 2 steps took {sum(report['step_seconds']):.1f} s; {report['tuned_problems']} problems timed"
+    assert line in err and line in format_report(report)
+
+
+def test_a_run_with_nothing_to_tune_says_so_and_ten_steps_train(no_tuning_sweeps, capsys):
+    report = run_demo("room", 1, 0.01, "cpu", 2, 10, progress=True)  # 10 steps: OneCycleLR's zero division
+    assert report["tuning_steps"] == 8 and report["tuned_problems"] == 0 and len(report["losses"]) == 10
+    assert "tuning: the first 8 steps took" in capsys.readouterr().err
+    assert "nothing timed (SPARSECONV_AUTOTUNE_EFFORT=none" in format_report(report)

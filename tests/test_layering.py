@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nn", ("sparseconv.nn",)),
     ("models", ("sparseconv.models",)),
     ("front ends", ("sparseconv.data", "sparseconv.demo", "sparseconv.viz", "sparseconv.metrics",
-                    "sparseconv.__main__", "sparseconv.tune.cli", "sparseconv.ops.backends.cutlass_cli")),
+                    "sparseconv.__main__", "sparseconv.tune.cli", "sparseconv.tune.populate",
+                    "sparseconv.ops.backends.cutlass_cli")),
     ("package", ("sparseconv",)),  # sparseconv/__init__.py: the public names, over everything
 )
 

@@ -14,6 +14,7 @@ import torch
 from ..coords.kernel_map import KernelMap
 from ..ops import dispatch as _dispatch
 from ..ops.problem import ConvProblem
+from . import shipped
 from .cache import TuneCache
 from .configs import Candidate, Config
 from .decorator import autotune
@@ -28,10 +29,12 @@ def get_tuner() -> Tuner:
 
 
 def reset() -> None:
-    """Forget the process-wide tuner and its cache handle (tests; a changed SPARSECONV_CACHE_DIR)."""
+    """Forget the process-wide tuner, its cache handle and the shipped tunings read (tests; a
+    changed SPARSECONV_CACHE_DIR)."""
     if get_tuner.cache_info().currsize and get_tuner()._cache is not None:
         get_tuner()._cache.flush(force=True)
     get_tuner.cache_clear()
+    shipped.forget()
 
 
 def run(

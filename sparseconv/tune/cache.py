@@ -198,10 +198,18 @@ class TuneCache:
         self._mem_lock = threading.RLock()
 
     def get(self, namespace: str, key: str) -> dict | None:
-        """The entry for (namespace, key), or None; treat it as read-only and put a new one to change it."""
+        """The entry for (namespace, key): this cache's, else the shipped one (:mod:`.shipped`), else
+        None; treat it as read-only and put a new one to change it."""
         self._ensure_loaded()
         with self._mem_lock:
-            return self._entries.get((namespace, key))
+            entry = self._entries.get((namespace, key))
+        if entry is None:
+            # A read-only layer beneath the file: never merged into it, so only what is re-timed
+            # (a changed backend's candidates) reaches the user's file, through put.
+            from . import shipped
+
+            entry = shipped.lookup(namespace, key)
+        return entry
 
     def put(self, namespace: str, key: str, entry: dict) -> None:
         """Store ``entry`` (replacing what memory holds) and flush if flush_interval_s has passed."""
