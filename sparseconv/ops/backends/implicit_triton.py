@@ -18,6 +18,7 @@ from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import triton_kernels as tk
 from . import mask_triton
+from . import registry
 from .registry import Backend, register
 
 
@@ -124,6 +125,9 @@ IMPLICIT_GEMM = register(
         pool=gemm_pool,
         heuristic=lambda problem: 1.0 if problem.device.type == "cuda" else -5.0,
         version=2,  # 2: stores instead of atomics where each output row has one pair
+        # The offsets of a row meet through fp32 atomics in whatever order their programs run. (Maps
+        # of one pair per row store instead, but that is the map's, not the parameters', to say.)
+        deterministic=registry.never_deterministic,
     )
 )
 
@@ -136,5 +140,7 @@ SPLITK_WGRAD = register(
         supports=tk.unsupported,
         pool=wgrad_pool,
         heuristic=lambda problem: 2.0 if problem.device.type == "cuda" else -5.0,
+        # Split-K chunks meet through fp32 atomics; one chunk (split 1) stores its sum.
+        deterministic=lambda namespace, params: int(params["split"]) == 1,
     )
 )
