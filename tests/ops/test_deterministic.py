@@ -321,7 +321,7 @@ def minkunet_steps(device: str, dtype: torch.dtype, steps: int, n: int, seed: in
     feats = torch.randn(len(coords), 4, device=device, dtype=dtype)
     labels = torch.randint(0, 5, (len(coords),), device=device)
     model = MinkUNet14(4, 5, width=0.25, stem_kernel_size=3).to(device, dtype)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
@@ -355,6 +355,7 @@ def test_minkunet_training_steps_are_bitwise_repeatable_on_cuda(dtype):
         sparseconv.tune.reset()  # the second run decides again, from the cache file
         second = minkunet_steps("cuda", dtype, 2, 20000)
     assert chosen and _all_marked(chosen), sorted(set(chosen))
+    assert all(bool(torch.isfinite(loss)) for loss in first[0]), first[0]
     assert [float(x) for x in first[0]] == [float(x) for x in second[0]]
     assert all(torch.equal(a, b) for a, b in zip(first[0] + first[1], second[0] + second[1]))
 
@@ -378,7 +379,7 @@ def test_every_deterministic_candidate_repeats_bitwise_on_cuda(dtype):
         sparse_conv3d(SparseTensor(coords, feats), weight).feats.sum().backward()
     finally:
         dispatch.set_runner(previous)
-    assert [p[0] for p in products] == list(NAMESPACES)
+    assert sorted(p[0] for p in products) == sorted(NAMESPACES)
     for namespace, problem, a, b, kernel_map in products:
         for candidate in candidate_pool(namespace, problem, AlgoMode("auto", (), "test"), "quick", True):
             backend = registry.get(candidate.backend)
