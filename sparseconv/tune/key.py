@@ -83,8 +83,8 @@ class TuneKey:
         """Stable, human-readable string (the cache file's key)."""
         return (
             f"v{self.version}|n{self.num_in}>{self.num_out}|d{self.density}|c{self.in_channels}>{self.out_channels}"
-            f"|k{self.kernel_volume}|{self.geometry}|{self.dtype}|{self.device}" + ("|det" if self.deterministic else "")
-        )
+            f"|k{self.kernel_volume}|{self.geometry}|{self.dtype}|{self.device}"
+        ) + ("|det" if self.deterministic else "")
 
 
 def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap, deterministic: bool = False) -> TuneKey:

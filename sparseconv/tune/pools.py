@@ -76,7 +76,9 @@ def candidate_pool(
     return [candidate for _, candidate in pool]
 
 
-def _deterministic_params(namespace: str, backend: registry.Backend, mode: AlgoMode, params_list: list[Mapping]) -> list[Mapping]:
+def _deterministic_params(
+    namespace: str, backend: registry.Backend, mode: AlgoMode, params_list: list[Mapping]
+) -> list[Mapping]:
     """The deterministic sets of ``params_list``; where it had only others, the deterministic set
     closest to each (fewest parameters changed: splitk_wgrad's pools split the pairs, and the same
     tile at split 1 is atomics-free)."""

@@ -18,8 +18,7 @@ from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import triton_kernels as tk
 from . import mask_triton
-from . import registry
-from .registry import Backend, register
+from .registry import Backend, never_deterministic, register
 
 
 def _max_pairs(kernel_map: KernelMap) -> int:
@@ -127,7 +126,7 @@ IMPLICIT_GEMM = register(
         version=2,  # 2: stores instead of atomics where each output row has one pair
         # The offsets of a row meet through fp32 atomics in whatever order their programs run. (Maps
         # of one pair per row store instead, but that is the map's, not the parameters', to say.)
-        deterministic=registry.never_deterministic,
+        deterministic=never_deterministic,
     )
 )
 
