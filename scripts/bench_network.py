@@ -7,7 +7,9 @@ The model is the TorchSparse++ MinkUNet: a stem of two submanifold 3^3 convs to 
 four encoder stages [32, 64, 128, 256] of a k2 s2 conv and two residual blocks, four decoder
 stages [256, 128, 96, 96] of a k2 s2 transposed conv, a skip concatenation and two residual
 blocks, then a 1x1x1 head; weights in the benchmark dtype. "naive torch" is our network with
-every product pinned to explicit_gemm (gather, mm, scatter-add in torch).
+every product pinned to explicit_gemm (gather, mm, scatter-add in torch). With --deterministic,
+"ours_deterministic" is ours in deterministic mode (sparseconv.set_deterministic(True): only
+atomics-free algorithms), the row after ours: what bitwise-repeatable runs cost.
 
 Columns, per scene, dtype and library (milliseconds unless named; medians of --repeats):
   infer / step      inference (no_grad, eval) and one training step (forward, cross-entropy,
@@ -29,6 +31,7 @@ reuse a strided conv's map.
 
     python scripts/bench_network.py                                   # 3 scenes x fp16, bf16 (minutes)
     python scripts/bench_network.py --scenes street1 --dtypes float16 --peers spconv
+    python scripts/bench_network.py --scenes street1 street4 room2 --dtypes float16 --peers --deterministic
     python scripts/bench_network.py --device cpu --scale 0.05 --repeats 2 --peers naive   # dry run
 """
 
@@ -258,6 +261,12 @@ def train_columns(runner: Runner, device, repeats: int) -> dict:
 
 
 def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
+    if name == "ours_deterministic":
+        previous = sparseconv.set_deterministic(True)
+        try:
+            return run_network("ours", coords, dtype, device, repeats)
+        finally:
+            sparseconv.set_deterministic(previous)
     try:
         runner = Runner(name, coords, dtype, device)
         row = {"first": first_call_ms(runner.infer, device)}
@@ -411,13 +420,15 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
     parser.add_argument("--profile", action="store_true", help="profile one new-coordinate inference of ours first")
     parser.add_argument("--no-maps", dest="maps", action="store_false", help="skip the map-build table")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also run ours in deterministic mode (the row ours_deterministic)")
     args = parser.parse_args()
     device = torch.device(args.device)
     os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}; torch {torch.__version__}; median of {args.repeats} passes (ms); "
           f"tuning cache {os.environ['SPARSECONV_CACHE_DIR']}")
-    libraries = ["ours", *args.peers]
+    libraries = ["ours", *(["ours_deterministic"] if args.deterministic else []), *args.peers]
     scenes = {scene: scene_coords(scene, args.scale).to(device) for scene in args.scenes}
     if args.profile:
         profile_ours(scenes[args.scenes[0]], getattr(torch, args.dtypes[0]), device)

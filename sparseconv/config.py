@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 ALGO_MODE_VARIABLES = {
     "AB_gather_scatter": "SPARSECONV_FWD_ALGO_MODE",
     "ABt_gather_scatter": "SPARSECONV_DGRAD_ALGO_MODE",
@@ -26,6 +28,8 @@ VARIABLES = {
     "SPARSECONV_SHIPPED_TUNINGS": "1 (default): use the tunings shipped for common GPUs under the cache | 0: ignore them",
     "SPARSECONV_NVCC": "nvcc for the CUTLASS backends (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",
     "SPARSECONV_CUTLASS_DIR": "CUTLASS checkout or include directory (default: the nvidia-cutlass package's headers)",
+    "SPARSECONV_DETERMINISTIC": "1: only deterministic algorithms (bitwise-repeatable runs); 0: never; "
+                                "unset: follow torch.use_deterministic_algorithms",
 }
 
 
@@ -73,3 +77,43 @@ def nvcc() -> str | None:
 def cutlass_dir() -> Path | None:
     value = os.environ.get("SPARSECONV_CUTLASS_DIR", "").strip()
     return Path(value).expanduser() if value else None
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_deterministic: bool | None = None  # set_deterministic's setting; None: the variable, then torch
+
+
+def set_deterministic(mode: bool | None) -> bool | None:
+    """Run only deterministic algorithms (True), any (False), or follow SPARSECONV_DETERMINISTIC
+    and then torch.use_deterministic_algorithms (None, the default); returns the previous setting.
+
+    Process-wide, like torch's switch: every layer, forward and backward, follows it.
+    """
+    global _deterministic
+    if mode is not None and not isinstance(mode, bool):
+        raise TypeError(f"set_deterministic: mode must be True, False or None, got {mode!r}")
+    previous, _deterministic = _deterministic, mode
+    return previous
+
+
+def deterministic() -> bool:
+    """Whether only deterministic algorithms may run: :func:`set_deterministic`'s setting, else
+    SPARSECONV_DETERMINISTIC, else ``torch.are_deterministic_algorithms_enabled()``."""
+    if _deterministic is not None:
+        return _deterministic
+    value = os.environ.get("SPARSECONV_DETERMINISTIC", "").strip().lower()
+    if not value:
+        return torch.are_deterministic_algorithms_enabled()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"SPARSECONV_DETERMINISTIC must be one of {_TRUE + _FALSE} or unset, got {value!r}")
+
+
+def deterministic_warn_only() -> bool:
+    """Whether deterministic mode comes from ``torch.use_deterministic_algorithms(True,
+    warn_only=True)`` alone: a pinned non-deterministic algorithm then warns instead of raising."""
+    if _deterministic is not None or os.environ.get("SPARSECONV_DETERMINISTIC", "").strip():
+        return False
+    return torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()

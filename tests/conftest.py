@@ -37,7 +37,7 @@ def isolated_tuner(tmp_path, monkeypatch):
     import sparseconv.tune
 
     for variable in ("SPARSECONV_FWD_ALGO_MODE", "SPARSECONV_DGRAD_ALGO_MODE", "SPARSECONV_WGRAD_ALGO_MODE",
-                     "SPARSECONV_AUTOTUNE_EFFORT", "SPARSECONV_AUTOTUNE_LOG"):
+                     "SPARSECONV_AUTOTUNE_EFFORT", "SPARSECONV_AUTOTUNE_LOG", "SPARSECONV_DETERMINISTIC"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("SPARSECONV_CACHE_DIR", str(tmp_path / "sparseconv-cache"))
     # Tests see what they tune, not the package's shipped GPU tunings (tests/tune/test_shipped.py turns them on).

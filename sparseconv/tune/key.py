@@ -77,17 +77,19 @@ class TuneKey:
     dtype: str
     device: str
     version: int = TUNER_VERSION
+    deterministic: bool = False  # deterministic mode's pool: its own timings, winner and agreement
 
     def encode(self) -> str:
         """Stable, human-readable string (the cache file's key)."""
         return (
             f"v{self.version}|n{self.num_in}>{self.num_out}|d{self.density}|c{self.in_channels}>{self.out_channels}"
             f"|k{self.kernel_volume}|{self.geometry}|{self.dtype}|{self.device}"
-        )
+        ) + ("|det" if self.deterministic else "")
 
 
-def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap) -> TuneKey:
-    """The key of ``namespace`` for ``problem``; dgrad is keyed as the swapped problem (out -> in)."""
+def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap, deterministic: bool = False) -> TuneKey:
+    """The key of ``namespace`` for ``problem``; dgrad is keyed as the swapped problem (out -> in).
+    Deterministic mode's keys are apart (its pool is smaller: a normal winner may not run there)."""
     num_in, num_out = problem.num_in, problem.num_out
     c_in, c_out = problem.in_channels, problem.out_channels
     if namespace == "ABt_gather_scatter":
@@ -105,4 +107,5 @@ def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap) -> Tun
         geometry=geometry,
         dtype=str(problem.dtype).removeprefix("torch."),
         device=device_identity(problem.device),
+        deterministic=deterministic,
     )

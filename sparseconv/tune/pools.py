@@ -10,7 +10,8 @@ strictly wherever they come from.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 
 from .. import config
 from ..ops.backends import registry
@@ -37,12 +38,18 @@ def resolve_mode(namespace: str, pin: str | Sequence[str] | None) -> AlgoMode:
     return DEFAULT_MODE
 
 
-def candidate_pool(namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str) -> list[Candidate]:
+def candidate_pool(
+    namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str, deterministic: bool | None = None
+) -> list[Candidate]:
     """Candidates to consider, in preference order (heuristic score, then name).
 
     effort ``full`` widens ``auto`` to ``all``; a named backend that cannot run the problem is
     an error when it is the only one asked for, and is skipped with a logged reason in a list.
+    ``deterministic`` (default: :func:`sparseconv.config.deterministic`) keeps only parameter
+    sets the backends mark deterministic; a named backend with none is an error.
     """
+    if deterministic is None:
+        deterministic = config.deterministic()
     if mode.level is not None:
         level = "all" if effort == "full" and mode.level == "auto" else mode.level
         backends = [registry.get(n) for n in registry.names(namespace)]
@@ -61,7 +68,36 @@ def candidate_pool(namespace: str, problem: ConvProblem, mode: AlgoMode, effort:
         params_list = [backend.params_space[0]] if mode.single else backend.candidates_params(problem, level)
         if mode.level is None and not params_list:
             params_list = [backend.params_space[0]]
+        if deterministic:
+            params_list = _deterministic_params(namespace, backend, mode, params_list)
         score = backend.heuristic(problem)
         pool.extend((score, Candidate.of(backend.name, params)) for params in params_list)
     pool.sort(key=lambda item: (-item[0], item[1].id))
     return [candidate for _, candidate in pool]
+
+
+def _deterministic_params(
+    namespace: str, backend: registry.Backend, mode: AlgoMode, params_list: list[Mapping]
+) -> list[Mapping]:
+    """The deterministic sets of ``params_list``; where it had only others, the deterministic set
+    closest to each (fewest parameters changed: splitk_wgrad's pools split the pairs, and the same
+    tile at split 1 is atomics-free)."""
+    kept = [params for params in params_list if backend.deterministic(namespace, params)]
+    if kept or not params_list:
+        return kept
+    space = [params for params in backend.params_space if backend.deterministic(namespace, params)]
+    if space:
+        closest = [min(space, key=lambda d, p=p: sum(d.get(k) != v for k, v in p.items())) for p in params_list]
+        return list({Candidate.of(backend.name, p).id: p for p in closest}.values())
+    if mode.level is not None:
+        return []
+    valid = [name for name in registry.names(namespace)
+             if any(registry.get(name).deterministic(namespace, p) for p in registry.get(name).params_space)]
+    message = (f"{mode.source}: algorithm {backend.name!r} is not deterministic for {namespace} (its partial "
+               f"sums meet through atomic adds), and deterministic mode is on (sparseconv.set_deterministic(True), "
+               f"SPARSECONV_DETERMINISTIC=1 or torch.use_deterministic_algorithms(True)); deterministic "
+               f"algorithms: {valid}")
+    if config.deterministic_warn_only():
+        warnings.warn(message + "; running it anyway, as torch's warn_only=True asks", stacklevel=2)
+        return params_list
+    raise ValueError(message)

@@ -121,15 +121,17 @@ class Tuner:
         small layer's call costs a few µs of host time here, not a pool build or a key hash.
         """
         mode = resolve_mode(namespace, pin)
+        deterministic = config.deterministic()  # in the key and memo: its choices are never the others'
         if mode.single:
             # A named backend's candidate depends on the problem only, never on the map's density.
-            memo: tuple = (namespace, problem, mode.names)
+            memo: tuple = (namespace, problem, mode.names, deterministic)
             effort = "quick"
         else:
             effort = config.autotune_effort()
             # The key is a function of the map and the problem: keep it with the map, so the hot
             # path (every conv call) hashes it instead of rebuilding it.
-            key = kernel_map.derived(("tune_key", namespace, problem), lambda m: make_key(namespace, problem, m))
+            key = kernel_map.derived(("tune_key", namespace, problem, deterministic),
+                                     lambda m: make_key(namespace, problem, m, deterministic))
             memo = (key, mode.level, mode.names, effort)
         choice = self._choices.get(memo)
         if choice is None or not _current(choice):
@@ -137,7 +139,7 @@ class Tuner:
                 choice = self._choices.get(memo)
                 if choice is None or not _current(choice):
                     if mode.single:
-                        candidate = candidate_pool(namespace, problem, mode, effort)[0]
+                        candidate = candidate_pool(namespace, problem, mode, effort, deterministic)[0]
                     else:
                         candidate = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map)
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
@@ -154,7 +156,7 @@ class Tuner:
         b: torch.Tensor,
         kernel_map: KernelMap,
     ) -> Candidate:
-        pool = candidate_pool(namespace, problem, mode, effort) or [Candidate(FALLBACK)]
+        pool = candidate_pool(namespace, problem, mode, effort, key.deterministic) or [Candidate(FALLBACK)]
         if len(pool) == 1:
             return pool[0]  # one candidate (the reference alone, or a listed backend's one set): nothing to time
         encoded = key.encode()

@@ -36,7 +36,7 @@ from ...tune.decorator import autotune
 from ..problem import ConvProblem
 from . import cuda_jit, cuda_launch
 from .mask_triton import one_pair_per_row, product_table, sorted_rows, tile_offsets
-from .registry import Backend, register
+from .registry import Backend, always_deterministic, register
 
 SOURCE = "sparse_gemm.cu"
 ELEMENT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -353,12 +353,16 @@ def _heuristic(problem: ConvProblem) -> float:
     return 0.5 if problem.device.type == "cuda" else -5.0
 
 
+# All three are deterministic (no atomics on values): grouped writes each row once; implicit's
+# per-offset launches read-add-write rows that are unique within an offset, in stream order;
+# splitk_wgrad sums its chunks in a fixed order. A tile (an @autotune choice) is fixed per process.
 CUTLASS_GROUPED = register(Backend(
     name="cutlass_grouped", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_grouped,
-    supports=unsupported, pool=_pool, heuristic=_heuristic, version=2))  # 2: rows sorted rarest offset first
+    supports=unsupported, pool=_pool, heuristic=_heuristic, version=2,  # 2: rows sorted rarest offset first
+    deterministic=always_deterministic))
 CUTLASS_IMPLICIT_GEMM = register(Backend(
     name="cutlass_implicit_gemm", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_implicit,
-    supports=unsupported, pool=_pool, heuristic=_heuristic))
+    supports=unsupported, pool=_pool, heuristic=_heuristic, deterministic=always_deterministic))
 CUTLASS_SPLITK_WGRAD = register(Backend(
     name="cutlass_splitk_wgrad", ops=frozenset({"AtB_gather_gather"}), run=run_wgrad,
-    supports=unsupported, pool=_pool, heuristic=_heuristic))
+    supports=unsupported, pool=_pool, heuristic=_heuristic, deterministic=always_deterministic))

@@ -30,7 +30,7 @@ from ...tune.decorator import autotune
 from ..problem import ConvProblem
 from . import cuda_jit, cutlass_gemm
 from .mask_triton import active_lists, offset_groups
-from .registry import Backend, register
+from .registry import Backend, always_deterministic, register
 
 SOURCE = "rows_sm90.cu"
 ARCH = "sm_90a"
@@ -228,6 +228,9 @@ def _heuristic(problem: ConvProblem) -> float:
     return 2.5 if max(problem.in_channels, problem.out_channels) > 128 else 1.0
 
 
+# Deterministic: the tile counter's atomicAdd only decides which block takes a tile; a tile's sum
+# is the same whichever block computes it, and offset groups add in launch order.
 CUTLASS_SM90 = register(Backend(
     name="cutlass_sm90", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run, params_space=SPACE,
-    supports=unsupported, pool=_pool, heuristic=_heuristic, version=2))  # 2: persistent blocks
+    supports=unsupported, pool=_pool, heuristic=_heuristic, version=2,  # 2: persistent blocks
+    deterministic=always_deterministic))

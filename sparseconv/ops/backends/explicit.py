@@ -3,6 +3,13 @@
 The reference every other backend is checked against and the universal fallback: it runs on
 any device and dtype torch can multiply. Half-precision products keep their (fp32-accumulated)
 matmul and are summed across offsets in fp32, so the K-way sum does not round K times.
+
+Deterministic, so deterministic mode always has a candidate: within one offset every output
+row has at most one pair (the map is a table of one neighbour per row and offset) and every
+input row feeds at most one output (coordinates are unique), so each ``index_add_`` adds one
+value into each row it touches: on CUDA its atomics never meet, and the offsets' sums follow
+each other in offset order, one launch after the other. (``index_add_`` races only where an
+index repeats within one call, as in explicit_gemm_grouped's groups of offsets.)
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import torch
 from ...coords.kernel_map import KernelMap
 from ...precision import accumulator_dtype
 from ..problem import NAMESPACES, ConvProblem
-from .registry import Backend, register
+from .registry import Backend, always_deterministic, register
 
 
 def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
@@ -72,4 +79,5 @@ def run(
     return _PRODUCTS[namespace](a, b, kernel_map)
 
 
-EXPLICIT_GEMM = register(Backend(name="explicit_gemm", ops=frozenset(NAMESPACES), run=run))
+EXPLICIT_GEMM = register(Backend(name="explicit_gemm", ops=frozenset(NAMESPACES), run=run,
+                                 deterministic=always_deterministic))

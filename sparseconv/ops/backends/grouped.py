@@ -126,6 +126,12 @@ def heuristic(problem: ConvProblem) -> float:
     return 1.0 if max(problem.num_in, problem.num_out) <= 4096 and problem.kernel_volume >= 8 else -1.0
 
 
+def deterministic(namespace: str, params: Mapping) -> bool:
+    """wgrad writes each offset's product once; forward and dgrad scatter a group's offsets in one
+    ``index_add_``, where a row meets once per offset of the group: on CUDA those atomics race."""
+    return namespace == "AtB_gather_gather"
+
+
 EXPLICIT_GEMM_GROUPED = register(
     Backend(
         name="explicit_gemm_grouped",
@@ -134,5 +140,6 @@ EXPLICIT_GEMM_GROUPED = register(
         params_space=tuple({"max_waste": w} for w in WASTE_SPACE),
         pool=pool,
         heuristic=heuristic,
+        deterministic=deterministic,
     )
 )

@@ -18,7 +18,7 @@ from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import triton_kernels as tk
 from . import mask_triton
-from .registry import Backend, register
+from .registry import Backend, never_deterministic, register
 
 
 def _max_pairs(kernel_map: KernelMap) -> int:
@@ -124,6 +124,9 @@ IMPLICIT_GEMM = register(
         pool=gemm_pool,
         heuristic=lambda problem: 1.0 if problem.device.type == "cuda" else -5.0,
         version=2,  # 2: stores instead of atomics where each output row has one pair
+        # The offsets of a row meet through fp32 atomics in whatever order their programs run. (Maps
+        # of one pair per row store instead, but that is the map's, not the parameters', to say.)
+        deterministic=never_deterministic,
     )
 )
 
@@ -136,5 +139,7 @@ SPLITK_WGRAD = register(
         supports=tk.unsupported,
         pool=wgrad_pool,
         heuristic=lambda problem: 2.0 if problem.device.type == "cuda" else -5.0,
+        # Split-K chunks meet through fp32 atomics; one chunk (split 1) stores its sum.
+        deterministic=lambda namespace, params: int(params["split"]) == 1,
     )
 )

@@ -22,7 +22,7 @@ from ... import config
 from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import triton_kernels as tk
-from .registry import Backend, register
+from .registry import Backend, always_deterministic, register
 
 
 def product_table(kernel_map: KernelMap, forward: bool) -> torch.Tensor:
@@ -272,5 +272,7 @@ MASK_IMPLICIT_GEMM = register(
         heuristic=lambda problem: 2.0 if problem.device.type == "cuda" else -5.0,
         version=4,  # 2: one pipelined loop over (offset, channel block) per tile; 3: tile-major gather rows;
                     # 4: rows sorted rarest offset first (denser tiles)
+        # Each row's sum is one program's, in list order; offset groups add in launch order.
+        deterministic=always_deterministic,
     )
 )

@@ -25,6 +25,17 @@ def _no_preference(problem: ConvProblem) -> float:
     return 0.0
 
 
+def never_deterministic(namespace: str, params: Mapping) -> bool:
+    """The default mark: a backend is deterministic only where it says so."""
+    return False
+
+
+def always_deterministic(namespace: str, params: Mapping) -> bool:
+    """Every product, every parameter set: each output element is summed in an order fixed by
+    the inputs alone (no atomics on values, no scatter-add where two adds meet one element)."""
+    return True
+
+
 @dataclass(frozen=True)
 class Backend:
     """One algorithm family.
@@ -37,6 +48,9 @@ class Backend:
     ``heuristic(problem)`` scores the backend for an untimed pick (higher wins). ``version``
     changes whenever the backend's speed or numbers may change: its stored timings then go stale
     and it is timed again, while other backends' timings stay valid.
+    ``deterministic(namespace, params)`` says whether that product with those parameters gives
+    bitwise-equal results on every run with the same inputs (deterministic mode runs only
+    those); a backend that does not say is taken as not deterministic.
     """
 
     name: str
@@ -47,6 +61,7 @@ class Backend:
     pool: PoolFn | None = None
     heuristic: Callable[[ConvProblem], float] = field(default=_no_preference)
     version: int = 1
+    deterministic: Callable[[str, Mapping], bool] = field(default=never_deterministic)
 
     def candidates_params(self, problem: ConvProblem, level: str) -> list[Mapping]:
         """Parameter sets of this backend in the ``level`` pool for ``problem``."""
