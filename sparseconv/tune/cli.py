@@ -20,7 +20,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     actions.add_parser("clear", help="delete every cached result")
     export = actions.add_parser("export", help="write the cache to FILE (to share it)")
     export.add_argument("file", type=Path)
-    merge = actions.add_parser("merge", help="take the entries of FILE (more evidence wins)")
+    merge = actions.add_parser("merge", help="take the entries of FILE (the measured-fastest wins)")
     merge.add_argument("file", type=Path)
     populate = actions.add_parser("populate", help="tune a grid of problem sizes ahead of time")
     populate.add_argument("--rows", type=int, nargs="+", default=[4096, 16384, 65536])
