@@ -119,3 +119,23 @@ def test_a_writer_killed_mid_write_leaves_a_cache_file_the_next_process_reads(tm
     survivor = TuneCache(path, flush_interval_s=0)
     survivor.put("ns", "after", {"evidence": 1, "updated": time.time()})
     assert len(TuneCache(path).items()) == len(entries) + 1  # and it writes on from there
+
+
+def test_train_ddp_script_trains_two_gloo_ranks_that_agree_and_share_one_cache(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "SPARSECONV_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)  # interpreted Triton candidates would make the sweeps minutes long
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(root / "scripts" / "train_ddp.py"), "--device", "cpu", "--steps", "2", "--warmup-steps", "1",
+               "--scale", "0.01", "--width", "2", "--json", str(tmp_path / "result.json")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ranks agree on every key" in done.stdout and "samples/s" in done.stdout
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world"] == 2 and result["disagreements"] == 0 and result["samples_per_s"] > 0
+    keys = [{(ns, key) for ns, key, _ in rank["choices"]} for rank in result["ranks"]]
+    # Ranks see different scenes, so each has keys of its own; it timed them, and both ranks'
+    # entries reached the one shared file.
+    on_disk = {(ns, key) for ns, key, _ in TuneCache(tmp_path / "cache" / "autotune.msgpack").items()}
+    assert on_disk & (keys[0] - keys[1]) and on_disk & (keys[1] - keys[0])
