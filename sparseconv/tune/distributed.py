@@ -8,8 +8,9 @@ process, no rank blocks on another.
 
 A cold key is timed by one rank only: the first to :func:`claim` it. While that rank times, the
 others run the pool's first candidate, look again at their next call, and take the published
-choice as soon as it is there. A claim outlives its rank only within one job attempt: a rank
-that dies ends the attempt, and torchrun gives each attempt a new store.
+choice as soon as it is there. A rank that dies mid-sweep normally ends the job attempt, and
+torchrun gives each attempt a new store; where a store outlives its processes, a claim left
+unpublished for CLAIM_TIMEOUT_S is taken over by the next rank that meets the key.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 logger = logging.getLogger("sparseconv.tune")
 
 STORE_PREFIX = "sparseconv/tune/"
 CLAIM_PREFIX = "sparseconv/tune-claim/"
+CLAIM_TIMEOUT_S = 600.0
+"""Longer than any one key's sweep (seconds, even with compiles), short against a job."""
 
 
 def _default_store():
@@ -50,6 +54,17 @@ def agree(namespace: str, key: str, choice: str) -> str:
     return _text(store.compare_set(f"{STORE_PREFIX}{namespace}/{key}", "", choice))
 
 
+def _ours(token: str) -> bool:
+    return token.rsplit(":", 1)[0] == f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _claimed_at(token: str) -> float:
+    try:
+        return float(token.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return float("inf")  # not a token of ours: never taken over
+
+
 def claim(namespace: str, key: str) -> str | None:
     """None if this process is to time (namespace, key): alone, or the first rank to claim it.
     Else the choice another rank published for it, or "" while that rank is still timing it."""
@@ -60,8 +75,13 @@ def claim(namespace: str, key: str) -> str | None:
     if store.check([published]):
         return _text(store.get(published))
     # host and pid: a token no other process of the job can hold, whatever its rank.
-    token = f"{socket.gethostname()}:{os.getpid()}"
-    if _text(store.compare_set(f"{CLAIM_PREFIX}{namespace}/{key}", "", token)) == token:
+    token = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
+    name = f"{CLAIM_PREFIX}{namespace}/{key}"
+    holder = _text(store.compare_set(name, "", token))
+    if holder == token or _ours(holder):
+        return None
+    if time.time() - _claimed_at(holder) > CLAIM_TIMEOUT_S and _text(store.compare_set(name, holder, token)) == token:
+        logger.warning("sparseconv: %s %s was claimed by %s and never published; timing it here", namespace, key, holder)
         return None
     # The claimer may have published between our two looks; get() of a missing key would block.
     return _text(store.get(published)) if store.check([published]) else ""

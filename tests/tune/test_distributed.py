@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -139,3 +140,30 @@ def test_train_ddp_script_trains_two_gloo_ranks_that_agree_and_share_one_cache(t
     # entries reached the one shared file.
     on_disk = {(ns, key) for ns, key, _ in TuneCache(tmp_path / "cache" / "autotune.msgpack").items()}
     assert on_disk & (keys[0] - keys[1]) and on_disk & (keys[1] - keys[0])
+
+
+@pytest.fixture
+def store(monkeypatch):
+    from sparseconv.tune import distributed
+
+    hash_store = dist.HashStore()
+    monkeypatch.setattr(distributed, "_default_store", lambda: hash_store)
+    return hash_store
+
+
+def test_claim_lets_one_process_time_a_key_and_the_others_take_its_published_choice(store):
+    from sparseconv.tune.distributed import CLAIM_PREFIX, STORE_PREFIX, agree, claim
+
+    assert claim("ns", "mine") is None and claim("ns", "mine") is None  # ours, also when asked again
+    store.set(f"{CLAIM_PREFIX}ns/k", f"otherhost:1:{time.time()}")
+    assert claim("ns", "k") == ""  # another process is timing it
+    assert agree("ns", "k", "fake_b") == "fake_b"  # what that process publishes
+    assert claim("ns", "k") == "fake_b"
+
+
+def test_a_claim_left_unpublished_too_long_is_taken_over(store):
+    from sparseconv.tune.distributed import CLAIM_PREFIX, CLAIM_TIMEOUT_S, claim
+
+    store.set(f"{CLAIM_PREFIX}ns/k", f"deadhost:1:{time.time() - CLAIM_TIMEOUT_S - 1}")
+    assert claim("ns", "k") is None
+    assert store.get(f"{CLAIM_PREFIX}ns/k").decode().startswith(f"{socket.gethostname()}:{os.getpid()}:")
