@@ -167,3 +167,21 @@ def test_a_claim_left_unpublished_too_long_is_taken_over(store):
     store.set(f"{CLAIM_PREFIX}ns/k", f"deadhost:1:{time.time() - CLAIM_TIMEOUT_S - 1}")
     assert claim("ns", "k") is None
     assert store.get(f"{CLAIM_PREFIX}ns/k").decode().startswith(f"{socket.gethostname()}:{os.getpid()}:")
+
+
+def test_populate_on_several_devices_splits_the_grid_and_merges_one_file(tmp_path, monkeypatch):
+    from sparseconv.tune import get_tuner
+    from sparseconv.tune.cli import populate_devices
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # interpreted Triton candidates: minutes
+    # Two processes on devices of one model (here the CPU): each tunes one of the two sizes.
+    populate_devices(["cpu", "cpu"], [512, 2048], [4], ["3"], "float32")
+    entries = get_tuner().cache.items("AB_gather_scatter")
+    assert len({key.split("|")[1] for _, key, _ in entries}) == 2  # both sizes' keys, one file
+
+
+def test_devices_of_one_model_split_the_populate_grid_and_another_model_gets_it_whole():
+    from sparseconv.tune.cli import split_grid
+
+    shares = split_grid([1, 2, 3], ["cuda:0", "cuda:1", "cuda:2"], ["H200", "H200", "A100"])
+    assert shares == [("cuda:0", [1, 3]), ("cuda:1", [2]), ("cuda:2", [1, 2, 3])]
