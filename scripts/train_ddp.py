@@ -42,7 +42,7 @@ DISTINCT_BATCHES = 4  # per rank; steps cycle through them, each step building a
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument("--warmup-steps", type=int, default=5, help="steps left out of samples/s (default 5)")
@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         samples_per_s = world * args.batch_size * len(timed) / sum(timed)
         lines, disagreements = choice_table([r["choices"] for r in results])
         entries = tune.get_tuner().cache.items()
-        print(f"{world} rank(s) on {device.type} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"{world} rank(s) on {device.type} ({name}), "
               f"{args.scene} x {args.batch_size} per rank, scale {args.scale}, width {args.width}, "
               f"effort {os.environ.get('SPARSECONV_AUTOTUNE_EFFORT', 'quick')}")
         print(f"samples/s {samples_per_s:.2f} (steps {args.warmup_steps + 1}-{args.steps}, "
@@ -175,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{verdict}; cache {tune.get_tuner().cache.path}: {len(entries)} entries")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world": world, "device": str(device), "args": vars(args), "samples_per_s": samples_per_s,
-                           "ranks": results, "disagreements": disagreements, "cache_entries": len(entries)}, f, indent=1)
+                json.dump({"world": world, "device": str(device), "args": vars(args),
+                           "samples_per_s": samples_per_s, "ranks": results,
+                           "disagreements": disagreements, "cache_entries": len(entries)}, f, indent=1)
         status = 1 if disagreements else 0
     if distributed:
         dist.destroy_process_group()

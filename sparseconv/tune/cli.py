@@ -109,7 +109,8 @@ def cuda_devices(gpus: str) -> list[str]:
         raise SystemExit("cache populate --gpus: no CUDA device is visible (use --device cpu)")
     count = visible if gpus == "all" else int(gpus) if gpus.isdigit() else 0
     if count < 1 or count > visible:
-        raise SystemExit(f"cache populate --gpus: expected 'all' or a count in 1..{visible} (CUDA devices visible), got {gpus!r}")
+        raise SystemExit(f"cache populate --gpus: expected 'all' or a count in 1..{visible} "
+                         f"(the CUDA devices visible), got {gpus!r}")
     return [f"cuda:{i}" for i in range(count)]
 
 

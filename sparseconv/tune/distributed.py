@@ -81,7 +81,8 @@ def claim(namespace: str, key: str) -> str | None:
     if holder == token or _ours(holder):
         return None
     if time.time() - _claimed_at(holder) > CLAIM_TIMEOUT_S and _text(store.compare_set(name, holder, token)) == token:
-        logger.warning("sparseconv: %s %s was claimed by %s and never published; timing it here", namespace, key, holder)
+        msg = "sparseconv: %s %s was claimed by %s and never published; timing it here"
+        logger.warning(msg, namespace, key, holder)
         return None
     # The claimer may have published between our two looks; get() of a missing key would block.
     return _text(store.get(published)) if store.check([published]) else ""

@@ -89,7 +89,8 @@ KILLED_WRITER = """
     from sparseconv.tune import TuneCache
     cache = TuneCache(sys.argv[1], flush_interval_s=3600)
     # ~4 MB written per flush, so that a write lasts long enough to be caught in the middle.
-    timings = {f"c{j}": {"ms": 1.0, "version": 1, "verdict": "ok", "samples": 3, "reason": "x" * 500} for j in range(40)}
+    record = {"ms": 1.0, "version": 1, "verdict": "ok", "samples": 3, "reason": "x" * 500}
+    timings = {f"c{j}": record for j in range(40)}
     for i in range(200):
         cache.put("ns", f"k{i}", {"timings": timings, "evidence": 3, "updated": time.time()})
     for i in range(200, 100_000):
