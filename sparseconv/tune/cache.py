@@ -1,9 +1,9 @@
 """The tuner's on-disk cache: one msgpack file shared by every process (and rank) on the machine.
 
 File format: ``{"schema": SCHEMA_VERSION, "entries": {namespace: {key: entry}}}``. Writers take
-the advisory lock ``<path>.lock``, re-read the file, keep per (namespace, key) the entry timed
-with the newer backend versions, else the one with more ``evidence`` (then the later
-``updated``), and replace the file atomically, so concurrent
+the advisory lock ``<path>.lock``, re-read the file, merge per (namespace, key) by the
+rule of :mod:`.merge` (newer backend versions, then the measured-fastest; no candidate's timing
+lost), and replace the file atomically, so concurrent
 writers never lose each other's entries and readers never see half a file.
 """
 
@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgpack
+
+from .merge import merge as _merge
 
 SCHEMA_VERSION = 1
 
@@ -81,40 +83,6 @@ def _timing_problem(record: Any) -> str | None:
 
 def _is_time(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _versions(entry: dict) -> dict[str, int]:
-    timings = entry.get("timings")
-    if not isinstance(timings, dict):
-        return {}
-    return {cid: t["version"] for cid, t in timings.items() if isinstance(t, dict) and isinstance(t.get("version"), int)}
-
-
-def _wins(challenger: dict, holder: dict) -> bool:
-    """Whether ``challenger`` replaces ``holder``: timings of a newer backend version, else more
-    evidence, then the later ``updated``; ties keep the holder.
-
-    Versions come first because a re-timed changed backend has fewer samples than the stale
-    entry it replaces whenever the sweep ran on a busier machine, and must still replace it.
-    """
-    mine, theirs = _versions(challenger), _versions(holder)
-    shared = mine.keys() & theirs.keys()
-    if any(mine[c] > theirs[c] for c in shared):
-        return True
-    if any(mine[c] < theirs[c] for c in shared):
-        return False
-    return (challenger["evidence"], challenger["updated"]) > (holder["evidence"], holder["updated"])
-
-
-def _merge(into: _Entries, other: _Entries) -> list[_Key]:
-    """Take into ``into`` each entry of ``other`` that wins over the one held; returns their keys."""
-    taken = []
-    for key, entry in other.items():
-        held = into.get(key)
-        if held is None or _wins(entry, held):
-            into[key] = entry
-            taken.append(key)
-    return taken
 
 
 def _read(path: pathlib.Path) -> _Entries:

@@ -5,15 +5,27 @@ different N) or one rank's cache is warm and another's cold. Instead every rank,
 it uses a key, offers its choice to the job's key-value store with an atomic compare-and-set:
 the first offer wins and every later rank reads it back. One store round trip per key per
 process, no rank blocks on another.
+
+A cold key is timed by one rank only: the first to :func:`claim` it. While that rank times, the
+others run the pool's first candidate, look again at their next call, and take the published
+choice as soon as it is there. A rank that dies mid-sweep normally ends the job attempt, and
+torchrun gives each attempt a new store; where a store outlives its processes, a claim left
+unpublished for CLAIM_TIMEOUT_S is taken over by the next rank that meets the key.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import time
 
 logger = logging.getLogger("sparseconv.tune")
 
 STORE_PREFIX = "sparseconv/tune/"
+CLAIM_PREFIX = "sparseconv/tune-claim/"
+CLAIM_TIMEOUT_S = 600.0
+"""Longer than any one key's sweep (seconds, even with compiles), short against a job."""
 
 
 def _default_store():
@@ -30,10 +42,47 @@ def _default_store():
         return None
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def agree(namespace: str, key: str, choice: str) -> str:
     """The job-wide choice for (namespace, key): ours if we are first, else the first rank's."""
     store = _default_store()
     if store is None:
         return choice
-    agreed = store.compare_set(f"{STORE_PREFIX}{namespace}/{key}", "", choice)
-    return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+    return _text(store.compare_set(f"{STORE_PREFIX}{namespace}/{key}", "", choice))
+
+
+def _ours(token: str) -> bool:
+    return token.rsplit(":", 1)[0] == f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _claimed_at(token: str) -> float:
+    try:
+        return float(token.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return float("inf")  # not a token of ours: never taken over
+
+
+def claim(namespace: str, key: str) -> str | None:
+    """None if this process is to time (namespace, key): alone, or the first rank to claim it.
+    Else the choice another rank published for it, or "" while that rank is still timing it."""
+    store = _default_store()
+    if store is None:
+        return None
+    published = f"{STORE_PREFIX}{namespace}/{key}"
+    if store.check([published]):
+        return _text(store.get(published))
+    # host and pid: a token no other process of the job can hold, whatever its rank.
+    token = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
+    name = f"{CLAIM_PREFIX}{namespace}/{key}"
+    holder = _text(store.compare_set(name, "", token))
+    if holder == token or _ours(holder):
+        return None
+    if time.time() - _claimed_at(holder) > CLAIM_TIMEOUT_S and _text(store.compare_set(name, holder, token)) == token:
+        msg = "sparseconv: %s %s was claimed by %s and never published; timing it here"
+        logger.warning(msg, namespace, key, holder)
+        return None
+    # The claimer may have published between our two looks; get() of a missing key would block.
+    return _text(store.get(published)) if store.check([published]) else ""

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -24,7 +25,7 @@ from ..precision import accumulator_dtype
 from . import faults
 from .cache import TuneCache
 from .configs import Candidate
-from .distributed import agree
+from .distributed import agree, claim
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
 from .timing import CLOSE, Timer, TooSlow
@@ -142,6 +143,8 @@ class Tuner:
                         candidate = candidate_pool(namespace, problem, mode, effort, deterministic)[0]
                     else:
                         candidate = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map)
+                    if isinstance(candidate, _Provisional):
+                        return candidate.candidate, registry.get(candidate.candidate.backend)
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
         return choice
 
@@ -155,7 +158,7 @@ class Tuner:
         a: torch.Tensor,
         b: torch.Tensor,
         kernel_map: KernelMap,
-    ) -> Candidate:
+    ) -> Candidate | _Provisional:
         pool = candidate_pool(namespace, problem, mode, effort, key.deterministic) or [Candidate(FALLBACK)]
         if len(pool) == 1:
             return pool[0]  # one candidate (the reference alone, or a listed backend's one set): nothing to time
@@ -171,6 +174,11 @@ class Tuner:
         if effort != "none":
             missing = [c for c in pool if current(c) is None]
             if missing:
+                other = claim(namespace, encoded)
+                if other is not None:
+                    # Another rank has published a choice or is timing this key: run that choice,
+                    # or the pool's first until it is published; never wait on another rank.
+                    return _adopt(other, pool, pool[0]) if other else _Provisional(pool[0])
                 done = dict(timings)
                 timings.update(self._sweep(namespace, problem, missing, a, b, kernel_map,
                                            store=lambda results: self._store(namespace, encoded, {**done, **results})))
@@ -188,13 +196,18 @@ class Tuner:
         else:
             logger.warning("sparseconv: no candidate passed for %s %s; running %s", namespace, encoded, FALLBACK)
             choice = Candidate(FALLBACK)
-        agreed = agree(namespace, encoded, choice.id)
-        if agreed != choice.id:
-            choice = next((c for c in pool if c.id == agreed), None) or _known(agreed) or choice
+        choice = _adopt(agree(namespace, encoded, choice.id), pool, choice)
         if fresh:
             self._store(namespace, encoded, timings)
         _log_sweep(namespace, encoded, pool, timings, choice, fresh)
         return choice
+
+    def choices(self) -> list[tuple[str, str, str]]:
+        """(namespace, key, candidate id) of every choice this process has settled on, sorted."""
+        with self._lock:
+            found = {(memo[0].namespace, memo[0].encode(), candidate.id)
+                     for memo, (candidate, _) in self._choices.items() if isinstance(memo[0], TuneKey)}
+        return sorted(found)
 
     def _sweep(
         self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map,
@@ -298,6 +311,19 @@ def pick(timings: Mapping[str, Mapping], ids: list[str]) -> str:
     cheapest = min(cost(timings[i]) for i in ids)
     close = [i for i in ids if cost(timings[i]) <= cheapest * (1 + CLOSE)]
     return min(close, key=lambda i: (timings[i].get("host_ms", float("inf")), timings[i]["ms"]))
+
+
+class _Provisional(NamedTuple):
+    """A candidate to run while another rank times the key: not remembered, so a later call looks again."""
+
+    candidate: Candidate
+
+
+def _adopt(candidate_id: str, pool: list[Candidate], ours: Candidate) -> Candidate:
+    """The candidate of the job-wide ``candidate_id``, or ``ours`` if this process lacks it."""
+    if candidate_id == ours.id:
+        return ours
+    return next((c for c in pool if c.id == candidate_id), None) or _known(candidate_id) or ours
 
 
 def _known(candidate_id: str) -> Candidate | None:
