@@ -1,25 +1,28 @@
 """torch.compile support: the conv's three products as ``torch.library`` custom ops.
 
-:func:`sparse_conv3d` routes here only while Dynamo traces (``torch.compiler.is_compiling()``);
-eager calls never touch this module and keep the autograd.Function of :mod:`.conv`, whose
-per-call host cost is what small layers pay.
+:func:`.conv.sparse_conv3d` routes here only while Dynamo traces
+(``torch.compiler.is_compiling()``); eager calls never import this module (it loads Dynamo) and
+keep the autograd.Function of :mod:`.conv`, whose host cost per call is what small layers pay.
 
 Design. A custom op takes tensors and scalars only, but the backends want a :class:`KernelMap`:
 a Python object whose derived views (pairs, transposed table, padded groups, the tuner's key)
-are built once and reused by every layer and by backward. The ops therefore take the map's
-``neighbors`` table and find the live map that owns it in a weak registry keyed by the table's
-device, address, shape and strides (:func:`register` / :func:`lookup`), so a compiled call uses
-the very object the eager path would, caches included. No integer handle crosses the graph:
-an int read from a map would be specialised by Dynamo, recompiling the graph for every batch.
-A table that no live map owns (the map was freed, or a compiler copied the input) falls back to
-a map rebuilt from the table: same results, its views built again. The registry holds maps
-weakly, so it never keeps a batch's maps alive.
+are built once and reused by every layer and by backward. The ops take the map's ``neighbors``
+table instead and find the live map that owns it (:func:`sparseconv.coords.kernel_map.owner_of`,
+a registry of weak references keyed by the table's address, checked against its device, shape
+and strides), so a compiled call uses the very object the eager path would, caches included.
+No integer handle crosses the graph: Dynamo specialises on an int it reads from a Python
+object, which would recompile the graph for every batch. A table that no live map owns (a
+compiler copied the input) gets a map rebuilt from it: same results, its views built again.
 
-Where the graph breaks: finding a layer's map is a dictionary lookup in the batch's
-:class:`CoordinateCache` and, the first time, a hash-table build with ``unique`` and
-data-dependent sizes; it runs eagerly (``torch.compiler.disable``), once per conv call that
-needs a map, so a model compiles into one graph per stretch between map lookups. Everything
-else in a layer (the products, bias, norms, activations) is in the graph, forward and backward.
+Where the graph breaks. Finding a layer's map is a lookup in the batch's
+:class:`CoordinateCache`, traced when the map exists; building a map (hash table, ``unique``,
+sizes that depend on the data) cannot be traced and runs eagerly (``torch.compiler.disable``).
+At a new batch's first missing map, :class:`_Plan` builds every map the previous batch (or
+:func:`sparseconv.tune.warmup`) built, in order, so a model breaks once per batch, at its first
+conv with a kernel map (Dynamo splits each frame on that call stack, so a MinkUNet runs ~4
+graphs); everything after it (every other conv, norm, activation, concatenation and the whole
+backward) is traced. ``fullgraph=True`` therefore holds only when the input's maps are built
+before the call. A 1x1x1 conv is a ``torch.mm`` in the graph.
 """
 
 from __future__ import annotations
@@ -36,9 +39,6 @@ from ..coords.kernel_map import KernelMap, KernelMapKey, Triple, owner_of
 from ..tensor import SparseTensor
 from .dispatch import dispatch
 from .problem import ConvProblem
-
-if TYPE_CHECKING:
-    from .conv import AlgoPins
 
 if TYPE_CHECKING:
     from .conv import AlgoPins
