@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from torch._dynamo.utils import counters
 from sparse_reference import random_coords
 
 import sparseconv.tune
@@ -24,6 +25,7 @@ PIN = "explicit_gemm"
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
+    counters.clear()
     yield
     torch._dynamo.reset()
 
@@ -157,7 +159,56 @@ def test_a_small_minkunet_trains_two_steps_compiled_with_the_eager_losses(monkey
 
     eager = train(make())
     model = make()
-    sparseconv.tune.warmup(model, SparseTensor(coords, feats))
+    example = SparseTensor(coords, feats)
+    sparseconv.tune.warmup(model, example)
     got = train(torch.compile(model, backend="aot_eager"))
     assert got == pytest.approx(eager, rel=1e-5, abs=1e-6)
     assert got[1] != got[0]  # it did train
+    # Each batch's maps are built at its first miss, not one graph break per map.
+    maps = len(example.cache.built_keys())
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs < maps, (graphs, maps)
+
+
+@pytest.mark.gpu
+def test_tuning_during_cuda_graph_capture_refuses_and_names_the_warmup_helper():
+    x = _input(channels=16).to("cuda")
+    conv = SparseConv3d(16, 16, 3, device="cuda")
+    conv.requires_grad_(False)
+    # The map and its pair counts exist (reading them syncs, which a capture forbids too).
+    assert x.cache.kernel_map(_key(x, conv))[0].num_pairs > 0
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"during CUDA-graph capture.*sparseconv\.tune\.warmup"):
+        with torch.cuda.graph(graph):
+            conv(x)
+
+
+@pytest.mark.gpu
+def test_a_small_minkunet_trains_compiled_by_inductor_on_cuda_with_the_eager_losses():
+    torch.manual_seed(0)
+    coords = random_coords(2000, 24, device="cuda")
+    feats = torch.randn(len(coords), 3, device="cuda")
+    labels = torch.randint(0, 4, (len(coords),), device="cuda")
+
+    def make():
+        torch.manual_seed(1)
+        return MinkUNet(3, 4, blocks=(1,) * 8, planes=(16,) * 8, stem_channels=16, stem_kernel_size=3).cuda()
+
+    def train(model):
+        optimiser = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            loss = torch.nn.functional.cross_entropy(model(SparseTensor(coords, feats)).feats, labels)
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            losses.append(loss.item())
+        return losses
+
+    model = make()
+    sparseconv.tune.warmup(model, SparseTensor(coords, feats))  # tunes every product: the runs below only look up
+    eager = train(model)
+    model = make()
+    got = train(torch.compile(model))
+    # Split-K and scatter-add backends sum in a run-dependent order on the GPU.
+    assert got == pytest.approx(eager, rel=1e-3, abs=1e-4)
