@@ -84,7 +84,8 @@ def test_the_custom_ops_pass_opcheck(transposed):
     weight = conv.weight.detach().clone().requires_grad_()
     grad_out = torch.randn(len(out), 4)
     torch.library.opcheck(compiled.conv_forward, (feats, weight, kernel_map.neighbors, *layer, PIN, PIN, PIN))
-    torch.library.opcheck(compiled.conv_dgrad, (grad_out, weight.detach(), kernel_map.neighbors, len(source), *layer, PIN))
+    dgrad_args = (grad_out, weight.detach(), kernel_map.neighbors, len(source), *layer, PIN)
+    torch.library.opcheck(compiled.conv_dgrad, dgrad_args)
     torch.library.opcheck(compiled.conv_wgrad, (feats.detach(), grad_out, kernel_map.neighbors, *layer, PIN))
 
 
@@ -96,7 +97,8 @@ def test_tuning_inside_a_trace_refuses_and_names_the_warmup_helper():
     conv.requires_grad_(False)
     # The map and its pair counts exist (the tuner's key needs them); timing is what the trace cannot do.
     assert x.cache.kernel_map(_key(x, conv))[0].num_pairs > 0
-    with pytest.raises(RuntimeError, match=r"cannot be tuned on fake tensors.*sparseconv\.tune\.warmup\(model, example_input\)"):
+    message = r"cannot be tuned on fake tensors.*sparseconv\.tune\.warmup\(model, example_input\)"
+    with pytest.raises(RuntimeError, match=message):
         make_fx(lambda f: conv(x.replace(f)).feats, tracing_mode="fake")(x.feats)
 
 
@@ -212,3 +214,21 @@ def test_a_small_minkunet_trains_compiled_by_inductor_on_cuda_with_the_eager_los
     got = train(torch.compile(model))
     # Split-K and scatter-add backends sum in a run-dependent order on the GPU.
     assert got == pytest.approx(eager, rel=1e-3, abs=1e-4)
+
+
+def test_pooling_compiles_with_its_map_built_outside_the_graph():
+    from sparseconv.nn import functional as F
+
+    x = _input(channels=3)
+
+    def pools(t):
+        return F.max_pool3d(t, 2).feats, F.avg_pool3d(t, 2).feats
+
+    expected = pools(x)
+    got = torch.compile(pools, backend="aot_eager")(SparseTensor(x.coords, x.feats))  # a new cache: maps missing
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    # The graph breaks where the map is found, not inside the map build's own code (and at
+    # avg_pool3d's bincount, whose output size Dynamo takes as data-dependent).
+    reasons = list(counters["graph_break"])
+    assert reasons and all("pool_map" in r or "bincount" in r for r in reasons), [r[:300] for r in reasons]

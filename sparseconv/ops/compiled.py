@@ -101,6 +101,15 @@ def _build_map(input: SparseTensor, key: KernelMapKey) -> tuple[torch.Tensor, in
     return kernel_map.neighbors, out_id
 
 
+@torch.compiler.disable
+def pool_map(input: SparseTensor, key: KernelMapKey) -> tuple[KernelMap, int]:
+    """For pooling, which reads the map's pairs inside the graph: the map (its pairs made here,
+    as they need a host sync) and its output coordinates' id; eager, so a graph break per pool."""
+    kernel_map, out_id = _plan.build(input.cache, key)
+    kernel_map.pairs  # noqa: B018 - the cached view, made outside the graph
+    return kernel_map, out_id
+
+
 def find_map(input: SparseTensor, key: KernelMapKey) -> tuple[torch.Tensor, int]:
     """The neighbour table (N_out, K) int32 of ``key``'s map in ``input``'s cache and the id of its
     output coordinates. A map built already is looked up inside the graph; building one runs
@@ -149,7 +158,7 @@ def conv_forward(
 
 
 @conv_forward.register_fake
-def _(feats, weight, neighbors, kernel_size, stride, dilation, transposed, generative, fwd_algo, dgrad_algo, wgrad_algo):
+def _(feats, weight, neighbors, kernel_size, stride, dilation, transposed, generative, *pins):
     return feats.new_empty((neighbors.shape[0], weight.shape[2]))
 
 

@@ -51,4 +51,6 @@ def run(
 _dispatch.set_runner(run)
 
 
-__all__ = ["Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset", "run", "warmup"]
+__all__ = [
+    "Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset", "run", "warmup",
+]
