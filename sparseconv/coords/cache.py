@@ -87,6 +87,15 @@ class CoordinateCache:
             hit = self._maps[key] = self._build(key)
         return hit
 
+    def built_map(self, key: KernelMapKey) -> tuple[KernelMap, int] | None:
+        """What :meth:`kernel_map` returns for ``key`` if that map is built already, else None
+        (no build: torch.compile traces this lookup, which it cannot do for a build)."""
+        return self._maps.get(key)
+
+    def built_keys(self) -> list[KernelMapKey]:
+        """The keys of the maps built so far, in the order they were built."""
+        return list(self._maps)
+
     def kernel_maps(self) -> list[KernelMap]:
         """Every kernel map built so far (a map found under two keys, e.g. a conv and a pool, once)."""
         return list({id(m): m for m, _ in self._maps.values()}.values())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable, Hashable
 from typing import NamedTuple, TypeVar
 
@@ -84,6 +85,7 @@ class KernelMap:
         each voxel lies in one coarse cell). Set by whoever builds the map; False means unknown."""
         self.each_output_once = False
         """Every output row is in exactly one pair (the transpose of such a map); False means unknown."""
+        _own_table(self)
 
     def transposed(self) -> KernelMap:
         """The adjoint map (inputs and outputs swapped, same offset index): a transposed conv's map
@@ -155,6 +157,39 @@ class KernelMap:
         )
 
 
+_owners: dict[int, weakref.ref[KernelMap]] = {}
+"""Table address -> the map that owns it (see :func:`owner_of`); dead entries pruned as it grows."""
+_prune_at = 1024
+
+
+def _own_table(kernel_map: KernelMap) -> None:
+    # ~0.4 µs once per map built (not per conv call): a plain dict of weak references, because a
+    # WeakValueDictionary costs ~4 µs an insert.
+    global _prune_at
+    if len(_owners) >= _prune_at:
+        for address in [a for a, ref in _owners.items() if ref() is None]:
+            del _owners[address]
+        _prune_at = max(1024, 2 * len(_owners))
+    _owners[kernel_map.neighbors.data_ptr()] = weakref.ref(kernel_map)
+
+
+def owner_of(neighbors: torch.Tensor) -> KernelMap | None:
+    """The live map whose ``neighbors`` is this (N_out, K) int32 table, or None.
+
+    For torch.compile's custom ops (:mod:`sparseconv.ops.compiled`), which receive the table but
+    not the map, and so find the map's cached views again. A live map keeps its table alive, so
+    no other tensor can sit at that address: a match of device, address, shape and strides is it.
+    """
+    ref = _owners.get(neighbors.data_ptr())
+    found = None if ref is None else ref()
+    if found is None:
+        return None
+    table = found.neighbors
+    if table.device != neighbors.device or table.shape != neighbors.shape or table.stride() != neighbors.stride():
+        return None
+    return found
+
+
 class _AdjointMap(KernelMap):
     """:meth:`KernelMap.transposed`: its neighbour table (the source's transposed table, a scatter
     of ~8 torch ops) is built only if a backend reads it; pair-list backends never do."""
@@ -170,7 +205,10 @@ class _AdjointMap(KernelMap):
 
     @functools.cached_property
     def neighbors(self) -> torch.Tensor:  # type: ignore[override] - an attribute of a queried map
-        return self.transpose_of.transposed_neighbors
+        table = self.transpose_of.transposed_neighbors
+        self.__dict__["neighbors"] = table
+        _own_table(self)  # found by its table from now on (torch.compile's ops), as a queried map is
+        return table
 
 
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:

@@ -175,6 +175,10 @@ def _pool_map(
     kernel: Triple = triple(kernel_size, "kernel_size")
     step: Triple = kernel if stride is None else triple(stride, "stride")
     key = KernelMapKey(input.coord_id, kernel, step, (1, 1, 1), transposed=False, generative=False)
+    if torch.compiler.is_compiling():  # Dynamo traces: it cannot trace a map build (see ops/compiled.py)
+        from ..ops import compiled
+
+        return compiled.pool_map(input, key)
     return input.cache.kernel_map(key)
 
 

@@ -126,6 +126,11 @@ def checked_conv3d(
             f"input features' dtype {feats.dtype} (or run under torch.autocast)"
         )
 
+    if torch.compiler.is_compiling():  # Dynamo traces: custom ops instead (imported here, as it loads Dynamo)
+        from . import compiled
+
+        return compiled.sparse_conv3d(input, feats, weight, bias, kernel_size, stride, dilation, transposed, generative,
+                                      pins)
     if weight.shape[0] == 1 and stride == (1, 1, 1) and not generative:
         # Every row is its own only neighbour: a matmul on the same coordinates, no map, no tuner.
         out = torch.mm(feats, weight[0])

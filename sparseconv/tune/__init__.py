@@ -20,6 +20,7 @@ from .configs import Candidate, Config
 from .decorator import autotune
 from .key import TuneKey, make_key
 from .tuner import Tuner
+from .warmup import warmup
 
 
 @functools.cache
@@ -53,4 +54,6 @@ def run(
 _dispatch.set_runner(run)
 
 
-__all__ = ["Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset", "run"]
+__all__ = [
+    "Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset", "run", "warmup",
+]

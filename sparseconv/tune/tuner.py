@@ -179,6 +179,7 @@ class Tuner:
                     # Another rank has published a choice or is timing this key: run that choice,
                     # or the pool's first until it is published; never wait on another rank.
                     return _adopt(other, pool, pool[0]) if other else _Provisional(pool[0])
+                refuse_tuning_in_trace(namespace, encoded, a)
                 done = dict(timings)
                 timings.update(self._sweep(namespace, problem, missing, a, b, kernel_map,
                                            store=lambda results: self._store(namespace, encoded, {**done, **results})))
@@ -296,6 +297,24 @@ class Tuner:
             "updated": time.time(),
         }
         self.cache.put(namespace, encoded, entry)
+
+
+def refuse_tuning_in_trace(namespace: str, encoded: str, a: torch.Tensor) -> None:
+    """RuntimeError if timing candidates now would time a trace or a CUDA-graph capture, not kernels."""
+    if torch.compiler.is_compiling():
+        where = "inside a torch.compile trace"
+    elif a.device.type == "meta" or isinstance(a, torch._subclasses.FakeTensor):
+        where = "on fake tensors (a torch.compile, torch.export or make_fx trace)"
+    elif a.is_cuda and torch.cuda.is_current_stream_capturing():
+        where = "during CUDA-graph capture"
+    else:
+        return
+    raise RuntimeError(
+        f"sparseconv: {namespace} {encoded} is not tuned yet and cannot be tuned {where}, where candidate "
+        "kernels cannot be timed. Call sparseconv.tune.warmup(model, example_input) eagerly first (one forward "
+        "and backward that tunes every layer), or pin the algorithms (fwd_algo= ..., SPARSECONV_*_ALGO_MODE) "
+        "or set SPARSECONV_AUTOTUNE_EFFORT=none."
+    )
 
 
 def cost(timing: Mapping) -> float:
