@@ -138,7 +138,8 @@ def test_splitk_wgrad_keeps_its_tiles_at_one_split():
 @pytest.mark.parametrize("namespace, pin", [(FORWARD, "implicit_gemm"), (DGRAD, "implicit_gemm"),
                                             (FORWARD, "explicit_gemm_grouped"), (FORWARD, "[implicit_gemm]"),
                                             (DGRAD, ["explicit_gemm", "explicit_gemm_grouped"])])
-def test_a_pinned_nondeterministic_algorithm_is_an_error_naming_the_argument(namespace, pin):
+def test_a_pinned_nondeterministic_algorithm_is_an_error_naming_the_argument(namespace, pin, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton backends may run CPU problems (also on a GPU machine)
     argument = PIN_ARGUMENT[namespace]
     mode = parse_mode(pin, namespace, argument)
     for problem in (_problem("cpu"), _problem("cuda")):
@@ -149,6 +150,7 @@ def test_a_pinned_nondeterministic_algorithm_is_an_error_naming_the_argument(nam
 
 
 def test_a_pin_from_the_environment_is_refused_in_a_conv_call_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float32, n=200)
     weight = torch.randn(27, 4, 5)
     monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "implicit_gemm")
@@ -162,7 +164,8 @@ def test_a_pin_from_the_environment_is_refused_in_a_conv_call_naming_the_variabl
     assert candidate_pool(WGRAD, _problem("cpu"), parse_mode("splitk_wgrad", WGRAD, "wgrad_algo"), "quick", True)
 
 
-def test_torchs_warn_only_switch_warns_for_a_pin_and_runs_it():
+def test_torchs_warn_only_switch_warns_for_a_pin_and_runs_it(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.use_deterministic_algorithms(True, warn_only=True)
     mode = parse_mode("implicit_gemm", FORWARD, "fwd_algo")
     with pytest.warns(UserWarning, match="fwd_algo: algorithm 'implicit_gemm' is not deterministic.*warn_only"):
