@@ -14,6 +14,7 @@ RunFn = Callable[[str, ConvProblem, Mapping, torch.Tensor, torch.Tensor, KernelM
 
 
 PoolFn = Callable[[ConvProblem, str], Sequence[Mapping]]
+PrecompileFn = Callable[[str, ConvProblem, Mapping, KernelMap], None]
 POOL_LEVELS = ("auto", "trimmed", "all")
 
 
@@ -37,6 +38,11 @@ class Backend:
     ``heuristic(problem)`` scores the backend for an untimed pick (higher wins). ``version``
     changes whenever the backend's speed or numbers may change: its stored timings then go stale
     and it is timed again, while other backends' timings stay valid.
+    ``precompile(namespace, problem, params, kernel_map)``, if given, compiles the kernels that
+    ``run`` would compile on its first call with these arguments, without running anything: the
+    tuner calls it for a sweep's candidates on parallel threads before timing them, so it must be
+    thread-safe and read only what the map already holds (never build a lazy view); raising
+    disqualifies the candidate.
     """
 
     name: str
@@ -47,6 +53,7 @@ class Backend:
     pool: PoolFn | None = None
     heuristic: Callable[[ConvProblem], float] = field(default=_no_preference)
     version: int = 1
+    precompile: PrecompileFn | None = None
 
     def candidates_params(self, problem: ConvProblem, level: str) -> list[Mapping]:
         """Parameter sets of this backend in the ``level`` pool for ``problem``."""

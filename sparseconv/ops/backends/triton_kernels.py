@@ -229,3 +229,11 @@ def precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     return "ieee" if dtype == torch.float64 else "tf32"
+
+
+def warm(kernel, device: torch.device, *args, **options) -> None:
+    """Compile ``kernel`` for a launch with ``args`` and ``options`` without running it: pointer
+    arguments are given as their torch dtype (Triton assumes them 16-byte aligned, as torch's
+    allocations are), integers as the launch's values, which Triton specialises on."""
+    with torch.cuda.device(device):  # Triton compiles for the current device of the calling thread
+        kernel.warmup(*args, grid=(1,), **options)
