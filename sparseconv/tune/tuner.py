@@ -21,11 +21,13 @@ from ..coords.kernel_map import KernelMap
 from ..ops.backends import registry
 from ..ops.problem import ConvProblem
 from ..precision import accumulator_dtype
+from . import prior
 from .cache import TuneCache
 from .configs import Candidate
 from .distributed import agree
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
+from .precompile import precompile
 from .timing import CLOSE, Timer
 
 logger = logging.getLogger("sparseconv.tune")
@@ -166,9 +168,11 @@ class Tuner:
         fresh: list[Candidate] = []
         if effort != "none":
             missing = [c for c in pool if current(c) is None]
-            if missing:
-                timings.update(self._sweep(namespace, problem, missing, a, b, kernel_map))
-                fresh = missing
+            passed = lambda: any((current(c) or {}).get("verdict") == "ok" for c in pool)  # noqa: E731
+            # The cost model's top picks first (effort quick), the rest only if none of them passed.
+            for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
+                timings.update(self._compile_and_sweep(namespace, problem, batch, a, b, kernel_map))
+                fresh += batch
         ok = sorted((c for c in pool if (current(c) or {}).get("verdict") == "ok"), key=lambda c: cost(timings[c.id]))
         if ok and len(ok) > 1 and fresh:
             close = [c for c in ok if cost(timings[c.id]) <= cost(timings[ok[0].id]) * (1 + CLOSE)]
@@ -178,7 +182,7 @@ class Tuner:
             winner = pick(timings, [c.id for c in ok])
             choice = next(c for c in ok if c.id == winner)
         elif effort == "none":
-            choice = pool[0]
+            choice = prior.ranked(self.cache, namespace, key, pool)[0]
         else:
             logger.warning("sparseconv: no candidate passed for %s %s; running %s", namespace, encoded, FALLBACK)
             choice = Candidate(FALLBACK)
@@ -189,6 +193,13 @@ class Tuner:
             self._store(namespace, encoded, timings)
         _log_sweep(namespace, encoded, pool, timings, choice, fresh)
         return choice
+
+    def _compile_and_sweep(self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b,
+                           kernel_map) -> dict[str, dict]:
+        """Compile the candidates' kernels in parallel, then time those that compiled."""
+        failed = precompile(namespace, problem, candidates, kernel_map)
+        compiled = [c for c in candidates if c.id not in failed]
+        return {**failed, **(self._sweep(namespace, problem, compiled, a, b, kernel_map) if compiled else {})}
 
     def _sweep(
         self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map
