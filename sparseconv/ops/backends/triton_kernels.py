@@ -22,6 +22,7 @@ The weight is addressed through strides, so dgrad reads W_k^T without a copy.
 from __future__ import annotations
 
 import functools
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -29,8 +30,23 @@ import torch
 from ... import config
 
 
-@functools.cache
+_DEFINED: SimpleNamespace | None = None
+_LOCK = threading.Lock()
+
+
 def kernels() -> SimpleNamespace:
+    """The @triton.jit kernels, defined once per process. Thread-safe: the tuner compiles them on
+    several threads at once, and a second definition (functools.cache does not lock) would take
+    the kernels one thread compiled away from the others."""
+    global _DEFINED
+    if _DEFINED is None:
+        with _LOCK:
+            if _DEFINED is None:
+                _DEFINED = _define()
+    return _DEFINED
+
+
+def _define() -> SimpleNamespace:
     import triton
     import triton.language as tl
 
@@ -234,6 +250,13 @@ def precision(dtype: torch.dtype) -> str:
 def warm(kernel, device: torch.device, *args, **options) -> None:
     """Compile ``kernel`` for a launch with ``args`` and ``options`` without running it: pointer
     arguments are given as their torch dtype (Triton assumes them 16-byte aligned, as torch's
-    allocations are), integers as the launch's values, which Triton specialises on."""
+    allocations are), integers as the launch's values, which Triton specialises on. Thread-safe."""
     with torch.cuda.device(device):  # Triton compiles for the current device of the calling thread
+        caches = getattr(kernel, "device_caches", None)
+        if caches is not None:
+            with _LOCK:
+                # A JITFunction makes its per-device kernel cache on first use, unlocked: threads
+                # racing there each made one and kept only theirs, and the kernels compiled into
+                # the others were compiled again at launch (H100, 2026-11-25).
+                caches[torch.cuda.current_device()]
         kernel.warmup(*args, grid=(1,), **options)
