@@ -318,7 +318,8 @@ def _log_sweep(namespace: str, encoded: str, pool, timings: dict, choice: Candid
         ms = f"{t['ms']:.3f}" if t.get("ms") is not None else "-"
         host = f"{t['host_ms']:.3f}" if t.get("host_ms") is not None else "-"
         verdict = t.get("verdict", "not timed") + (f" ({t['reason']})" if t.get("reason") else "")
-        rows.append(f"{c.id:<40} {ms:>10} {host:>8}  {verdict}{'' if c in fresh else ' [cached]'}")
+        cached = c not in fresh and c.id in timings  # one the cost model left out reads "not timed" alone
+        rows.append(f"{c.id:<40} {ms:>10} {host:>8}  {verdict}{' [cached]' if cached else ''}")
     logger.info("sparseconv autotune %s %s\n%s\nwinner: %s", namespace, encoded, "\n".join(rows), choice.id)
 
 

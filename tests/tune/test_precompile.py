@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import pytest
 import torch
 from conv_cases import MODES, make_input
 from fakes import Calls, registered
@@ -82,3 +83,44 @@ def test_backends_without_a_hook_are_timed_as_before():
         _conv()
     assert sum(calls.of(f"compile[{i}]") for i in range(LEVELS)) == 0
     assert all(calls.of(f"run[{i}]") >= 1 for i in range(LEVELS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2")],
+                         ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_precompiled_triton_kernels_are_the_ones_the_run_launches(mode, dtype):
+    """After the hooks of every Triton candidate, running them compiles nothing more: the hooks
+    pass what the runs pass (dtypes, alignment, the integers Triton specialises on)."""
+    from sparseconv.coords import KernelMapKey
+    from sparseconv.ops.backends import get, triton_kernels
+    from sparseconv.ops.problem import ConvProblem
+    from sparseconv.tune.configs import Candidate
+    from sparseconv.tune.precompile import precompile
+
+    def compiled() -> int:
+        kernels = triton_kernels.kernels()
+        return sum(len(cache[0]) for name in ("rows_gemm", "pairs_gemm", "pairs_wgrad", "row_masks", "tile_plan")
+                   for cache in getattr(kernels, name).device_caches.values())
+
+    c_in, c_out = 32, 48
+    x = make_input(mode, c_in, "cuda", dtype=dtype, n=3001, extent=30)
+    size = (mode.kernel_size,) * 3
+    kernel_map = x.cache.kernel_map(KernelMapKey(x.coord_id, size, (mode.stride,) * 3, (1, 1, 1), mode.transposed,
+                                                 mode.generative))[0]
+    problem = ConvProblem(kernel_map.num_in, kernel_map.num_out, c_in, c_out, size, (mode.stride,) * 3, (1, 1, 1),
+                          mode.transposed, mode.generative, dtype, x.device)
+    weight = torch.randn(kernel_map.kernel_volume, c_in, c_out, device="cuda", dtype=dtype)
+    grad_out = torch.randn(kernel_map.num_out, c_out, device="cuda", dtype=dtype)
+    operands = {"AB_gather_scatter": (x.feats, weight), "ABt_gather_scatter": (grad_out, weight),
+                "AtB_gather_gather": (x.feats, grad_out)}
+    for name in ("mask_implicit_gemm", "implicit_gemm", "splitk_wgrad"):
+        backend = get(name)
+        for namespace in sorted(backend.ops):
+            candidates = [Candidate.of(name, p) for p in backend.candidates_params(problem, "trimmed")]
+            assert precompile(namespace, problem, candidates, kernel_map) == {}
+            before = compiled()
+            for candidate in candidates:
+                backend.run(namespace, problem, candidate.params_dict, *operands[namespace], kernel_map)
+            torch.cuda.synchronize()
+            assert compiled() == before, (name, namespace)

@@ -219,3 +219,21 @@ def test_key_features_read_an_encoded_key():
     assert features.dtype == "bfloat16" and features.device == key.device
     assert np.allclose(features.values, (15, 14, 14 - 3, 5, 6, math.log2(27), 0, 1, 1))
     assert prior.key_features("autotune:op=x|dtype=float16") is None
+
+
+def test_bench_tuner_prior_option_prints_the_accuracy_table(tmp_path, capsys, monkeypatch):
+    from conftest import load_script
+
+    path = tmp_path / "gpu.msgpack"
+    cache = TuneCache(path)
+    for namespace, encoded, e in synthetic(60, seed=10):
+        cache.put(namespace, encoded, e)
+    cache.flush(force=True)
+    monkeypatch.setattr("sys.argv", ["bench_tuner.py", "--prior", str(path), "--folds", "3"])
+    load_script("bench_tuner").main()
+    lines = capsys.readouterr().out.splitlines()
+    assert "3-fold" in lines[0] and lines[1].split()[:4] == ["namespace", "device", "keys", "scored"]
+    assert lines[2].startswith(FWD) and DEVICE in lines[2]
+    with pytest.raises(SystemExit, match="is not a file"):
+        monkeypatch.setattr("sys.argv", ["bench_tuner.py", "--prior", str(tmp_path / "missing")])
+        load_script("bench_tuner").main()
