@@ -1,7 +1,8 @@
 """The tuner: for each product of each conv call, which backend and parameters run.
 
 Single-name modes run that backend untouched. Otherwise the tuner looks up the problem's key in
-the cache file, times only the pool's candidates that have no current timing there, guards each
+the cache file, times only the pool's candidates that have no current timing there (under effort
+quick, only those the cost model of prior.py ranks first), compiled in parallel first, guards each
 against ``explicit_gemm`` on the same inputs, re-times close finishers interleaved, agrees with
 the other ranks, remembers the choice for the process and stores every timing.
 """
