@@ -7,6 +7,15 @@ Times: median forward+backward step in ms with kernel maps cached; the tuned col
 step (which runs the sweeps) is reported separately.
 
     python scripts/bench_tuner.py --device cpu --scene street
+
+With --prior CACHE_FILE it instead scores the tuner's cost model on that cache file: keys are
+dealt into folds, each fold's winners are predicted by a model fitted on the other folds, and a
+table per namespace and device gives how often the measured winner is the model's first pick
+(top-1) or among its first three (top-3, what effort quick times), and the mean slowdown of
+running the model's first pick, the best of its first three, and one fixed candidate (the one
+fastest on average over the training keys) instead of the measured winner.
+
+    python scripts/bench_tuner.py --prior ~/.cache/sparseconv/autotune.msgpack
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ import time
 
 import torch
 from torch import nn
+
+from sparseconv.tune import prior
+from sparseconv.tune.cache import TuneCache
 
 from sparseconv import SparseTensor
 from sparseconv.data import make_scene
@@ -68,14 +80,39 @@ def step_ms(model: nn.Module, x: SparseTensor, device: torch.device) -> float:
     return 1e3 * (time.perf_counter() - begin)
 
 
+def prior_table(path: str, folds: int, seed: int) -> str:
+    """The cost model's held-out accuracy on the cache file ``path``, as a table."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--prior: {path!r} is not a file")
+    entries = TuneCache(path).items()
+    rows = prior.holdout_accuracy(entries, folds=folds, seed=seed)
+    header = ["namespace", "device", "keys", "scored", "top-1", f"top-{prior.QUICK_TOP}", "slowdown top-1",
+              f"best of top-{prior.QUICK_TOP}", "worst", "fixed pick"]
+    table = [[r.namespace, r.device, str(r.keys), str(r.scored), f"{r.top1:.0%}", f"{r.top3:.0%}",
+              f"{r.slowdown_top1:.3f}x", f"{r.slowdown_best_of_top3:.3f}x", f"{r.worst_best_of_top3:.2f}x",
+              f"{r.slowdown_static:.3f}x"] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in table)) if table else len(h) for i, h in enumerate(header)]
+    lines = [f"cost model on {path}: {len(entries)} entries, {folds}-fold cross-validation (seed {seed}); "
+             "slowdowns are mean cost / measured winner's cost"]
+    lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+              for row in [header, *table]]
+    return "\n".join(lines) if table else lines[0] + "\nno key with two or more timed candidates"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prior", metavar="CACHE_FILE", help="score the cost model on this tuning cache file instead")
+    parser.add_argument("--folds", type=int, default=5, help="with --prior: cross-validation folds")
+    parser.add_argument("--seed", type=int, default=0, help="with --prior: how keys are dealt into folds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--scene", choices=("street", "room"), default="street")
     parser.add_argument("--scale", type=float, default=0.5)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args()
+    if args.prior:
+        print(prior_table(args.prior, args.folds, args.seed))
+        return
     device = torch.device(args.device)
     os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
     # Pin-only: an empty pool keeps the baseline out of the tuned column's candidates.

@@ -22,7 +22,9 @@ VARIABLES = {
     "SPARSECONV_FWD_ALGO_MODE": "forward algorithm mode: auto (default) | trimmed | all | NAME | [NAME,NAME]",
     "SPARSECONV_DGRAD_ALGO_MODE": "dgrad algorithm mode, same values",
     "SPARSECONV_WGRAD_ALGO_MODE": "wgrad algorithm mode, same values",
-    "SPARSECONV_AUTOTUNE_EFFORT": "none (heuristic, no timing) | quick (default: adaptive pool) | full (every candidate)",
+    "SPARSECONV_AUTOTUNE_EFFORT": ("none (no timing: the cost model's first pick, else the heuristic one) | quick "
+                                   "(default: the adaptive pool, or only the cost model's top 3 once it has data) | "
+                                   "full (every candidate)"),
     "SPARSECONV_CACHE_DIR": "directory of the tuning cache file (default ~/.cache/sparseconv)",
     "SPARSECONV_AUTOTUNE_LOG": "1: log every tuning sweep as a table, and the winner",
     "SPARSECONV_SHIPPED_TUNINGS": "1 (default): use the tunings shipped for common GPUs under the cache | 0: ignore them",

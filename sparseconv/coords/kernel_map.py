@@ -128,7 +128,12 @@ class KernelMap:
             return out_idx, in_idx, offset_ptr
         present = self.neighbors.t() >= 0
         # The host already knows the pair count (pair_counts), so the compaction needs no sync.
-        offset_idx, out_idx = _nonzero(present, self.num_pairs).t().contiguous()  # kernels read them as flat arrays
+        found = _nonzero(present, self.num_pairs)
+        # out_idx in an allocation of its own (clone, not contiguous: CUDA's nonzero returns the
+        # transpose of a (2, P) buffer, whose second row starts at 8·P bytes, unaligned for odd P).
+        # Triton compiles a kernel per pointer alignment, so kernels compiled ahead of a sweep for
+        # aligned arrays were compiled again for such maps (H100, 2026-11-25).
+        offset_idx, out_idx = found[:, 0], found[:, 1].clone()
         in_idx = self.neighbors[out_idx, offset_idx].to(torch.int64)
         offset_ptr = torch.zeros(self.kernel_volume + 1, dtype=torch.int64, device=present.device)
         torch.cumsum(self.offset_counts, 0, out=offset_ptr[1:])

@@ -1,7 +1,8 @@
 """The tuner: for each product of each conv call, which backend and parameters run.
 
 Single-name modes run that backend untouched. Otherwise the tuner looks up the problem's key in
-the cache file, times only the pool's candidates that have no current timing there, guards each
+the cache file, times only the pool's candidates that have no current timing there (under effort
+quick, only those the cost model of prior.py ranks first), compiled in parallel first, guards each
 against ``explicit_gemm`` on the same inputs, re-times close finishers interleaved, agrees with
 the other ranks, remembers the choice for the process and stores every timing.
 """
@@ -22,12 +23,13 @@ from ..coords.kernel_map import KernelMap
 from ..ops.backends import registry
 from ..ops.problem import ConvProblem
 from ..precision import accumulator_dtype
-from . import faults
+from . import faults, prior
 from .cache import TuneCache
 from .configs import Candidate
 from .distributed import agree, claim
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
+from .precompile import precompile
 from .timing import CLOSE, Timer, TooSlow
 
 logger = logging.getLogger("sparseconv.tune")
@@ -180,10 +182,14 @@ class Tuner:
                     # or the pool's first until it is published; never wait on another rank.
                     return _adopt(other, pool, pool[0]) if other else _Provisional(pool[0])
                 refuse_tuning_in_trace(namespace, encoded, a)
+            passed = lambda: any((current(c) or {}).get("verdict") == "ok" for c in pool)  # noqa: E731
+            # The cost model's top picks first (effort quick), the rest only if none of them passed.
+            for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
                 done = dict(timings)
-                timings.update(self._sweep(namespace, problem, missing, a, b, kernel_map,
-                                           store=lambda results: self._store(namespace, encoded, {**done, **results})))
-                fresh = missing
+                timings.update(self._compile_and_sweep(
+                    namespace, problem, batch, a, b, kernel_map,
+                    store=lambda results, done=done: self._store(namespace, encoded, {**done, **results})))
+                fresh += batch
         ok = sorted((c for c in pool if (current(c) or {}).get("verdict") == "ok"), key=lambda c: cost(timings[c.id]))
         if ok and len(ok) > 1 and fresh:
             close = [c for c in ok if cost(timings[c.id]) <= cost(timings[ok[0].id]) * (1 + CLOSE)]
@@ -193,7 +199,7 @@ class Tuner:
             winner = pick(timings, [c.id for c in ok])
             choice = next(c for c in ok if c.id == winner)
         elif effort == "none":
-            choice = pool[0]
+            choice = prior.ranked(self.cache, namespace, key, pool)[0]
         else:
             logger.warning("sparseconv: no candidate passed for %s %s; running %s", namespace, encoded, FALLBACK)
             choice = Candidate(FALLBACK)
@@ -209,6 +215,18 @@ class Tuner:
             found = {(memo[0].namespace, memo[0].encode(), candidate.id)
                      for memo, (candidate, _) in self._choices.items() if isinstance(memo[0], TuneKey)}
         return sorted(found)
+
+    def _compile_and_sweep(self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b,
+                           kernel_map, store: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
+        """Compile the candidates' kernels in parallel, then time those that compiled."""
+        # Compilers print (Triton's reproducer on a failure): nothing of it reaches the terminal.
+        with faults.captured_output() as captured:
+            failed = precompile(namespace, problem, candidates, kernel_map)
+        if captured.text:
+            logger.debug("sparseconv: compiler output while precompiling for %s:\n%s", namespace, captured.text)
+        compiled = [c for c in candidates if c.id not in failed]
+        swept = self._sweep(namespace, problem, compiled, a, b, kernel_map, store=store) if compiled else {}
+        return {**failed, **swept}
 
     def _sweep(
         self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map,
@@ -394,7 +412,8 @@ def _log_sweep(namespace: str, encoded: str, pool, timings: dict, choice: Candid
         ms = f"{t['ms']:.3f}" if t.get("ms") is not None else "-"
         host = f"{t['host_ms']:.3f}" if t.get("host_ms") is not None else "-"
         verdict = t.get("verdict", "not timed") + (f" ({t['reason']})" if t.get("reason") else "")
-        rows.append(f"{c.id:<40} {ms:>10} {host:>8}  {verdict}{'' if c in fresh else ' [cached]'}")
+        cached = c not in fresh and c.id in timings  # one the cost model left out reads "not timed" alone
+        rows.append(f"{c.id:<40} {ms:>10} {host:>8}  {verdict}{' [cached]' if cached else ''}")
     logger.info("sparseconv autotune %s %s\n%s\nwinner: %s", namespace, encoded, "\n".join(rows), choice.id)
 
 

@@ -353,16 +353,22 @@ def _heuristic(problem: ConvProblem) -> float:
     return 0.5 if problem.device.type == "cuda" else -5.0
 
 
+def _precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map: KernelMap) -> None:
+    """Every tile of the dtype (the inner @autotune times them all): Backend.precompile."""
+    if problem.device.type == "cuda":
+        prefetch(problem.dtype, problem.device)
+
+
 # All three are deterministic (no atomics on values): grouped writes each row once; implicit's
 # per-offset launches read-add-write rows that are unique within an offset, in stream order;
 # splitk_wgrad sums its chunks in a fixed order. A tile (an @autotune choice) is fixed per process.
 CUTLASS_GROUPED = register(Backend(
     name="cutlass_grouped", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_grouped,
     supports=unsupported, pool=_pool, heuristic=_heuristic, version=2,  # 2: rows sorted rarest offset first
-    deterministic=always_deterministic))
+    precompile=_precompile, deterministic=always_deterministic))
 CUTLASS_IMPLICIT_GEMM = register(Backend(
     name="cutlass_implicit_gemm", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_implicit,
-    supports=unsupported, pool=_pool, heuristic=_heuristic, deterministic=always_deterministic))
+    supports=unsupported, pool=_pool, heuristic=_heuristic, precompile=_precompile, deterministic=always_deterministic))
 CUTLASS_SPLITK_WGRAD = register(Backend(
     name="cutlass_splitk_wgrad", ops=frozenset({"AtB_gather_gather"}), run=run_wgrad,
-    supports=unsupported, pool=_pool, heuristic=_heuristic, deterministic=always_deterministic))
+    supports=unsupported, pool=_pool, heuristic=_heuristic, precompile=_precompile, deterministic=always_deterministic))

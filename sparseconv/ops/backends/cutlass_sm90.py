@@ -228,9 +228,15 @@ def _heuristic(problem: ConvProblem) -> float:
     return 2.5 if max(problem.in_channels, problem.out_channels) > 128 else 1.0
 
 
+def _precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map: KernelMap) -> None:
+    """Every tile of the dtype (the inner @autotune times them all): Backend.precompile."""
+    if problem.device.type == "cuda":
+        prefetch(problem.dtype)
+
+
 # Deterministic: the tile counter's atomicAdd only decides which block takes a tile; a tile's sum
 # is the same whichever block computes it, and offset groups add in launch order.
 CUTLASS_SM90 = register(Backend(
     name="cutlass_sm90", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run, params_space=SPACE,
     supports=unsupported, pool=_pool, heuristic=_heuristic, version=2,  # 2: persistent blocks
-    deterministic=always_deterministic))
+    precompile=_precompile, deterministic=always_deterministic))

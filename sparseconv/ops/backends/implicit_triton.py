@@ -28,27 +28,49 @@ def _max_pairs(kernel_map: KernelMap) -> int:
 def run_gemm(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
     kernels = tk.kernels()
     a, w = a.contiguous(), b.contiguous()
-    c_in, c_out = w.shape[1], w.shape[2]
     in_idx, out_idx, offset_ptr = kernel_map.pairs
-    if namespace == "AB_gather_scatter":
-        gather, scatter, rows, reduce_dim, out_dim, strides = in_idx, out_idx, kernel_map.num_out, c_in, c_out, (c_in * c_out, c_out, 1)
-    else:
-        gather, scatter, rows, reduce_dim, out_dim, strides = out_idx, in_idx, kernel_map.num_in, c_out, c_in, (c_in * c_out, 1, c_out)
-    single, covered = mask_triton.one_pair_per_row(kernel_map, namespace == "AB_gather_scatter")
+    forward = namespace == "AB_gather_scatter"
+    gather, scatter, rows = (in_idx, out_idx, kernel_map.num_out) if forward else (out_idx, in_idx, kernel_map.num_in)
+    single, covered = mask_triton.one_pair_per_row(kernel_map, forward)
+    out_dim = w.shape[2] if forward else w.shape[1]
     if single:  # nothing to accumulate: store in a's dtype, no fp32 buffer, atomics or cast pass
         out = mask_triton.new_output((rows, out_dim), a) if covered else a.new_zeros((rows, out_dim))
     else:
         out = torch.zeros((rows, out_dim), dtype=torch.float32, device=a.device)
     longest = _max_pairs(kernel_map)
     if longest and out_dim:
-        bp, bn, bk = int(params["block_p"]), int(params["block_n"]), int(params["block_k"])
-        grid = (kernel_map.kernel_volume, kernels.triton.cdiv(longest, bp), kernels.triton.cdiv(out_dim, bn))
-        kernels.pairs_gemm[grid](
-            a, w, gather, scatter, offset_ptr, out, reduce_dim, out_dim, *strides,
-            BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk, PRECISION=tk.precision(a.dtype), ATOMIC=not single,
-            **tk.launch_options(params),
-        )
+        args, options = _gemm_launch(forward, w.shape[1], w.shape[2], a.dtype, single, params,
+                                     a, w, gather, scatter, offset_ptr, out)
+        grid = (kernel_map.kernel_volume, kernels.triton.cdiv(longest, options["BLOCK_P"]),
+                kernels.triton.cdiv(out_dim, options["BLOCK_N"]))
+        kernels.pairs_gemm[grid](*args, **options)
     return out.to(a.dtype)
+
+
+def _gemm_launch(forward: bool, c_in: int, c_out: int, dtype: torch.dtype, single: bool, params: Mapping,
+                 *tensors) -> tuple[tuple, dict]:
+    """pairs_gemm's arguments after ``tensors`` (a, w, gather, scatter, offset_ptr, out) and its
+    options: one place for :func:`run_gemm` and :func:`precompile_gemm`."""
+    if forward:
+        sizes = (c_in, c_out, c_in * c_out, c_out, 1)
+    else:  # W_k^T read through strides
+        sizes = (c_out, c_in, c_in * c_out, 1, c_out)
+    options = dict(BLOCK_P=int(params["block_p"]), BLOCK_N=int(params["block_n"]), BLOCK_K=int(params["block_k"]),
+                   PRECISION=tk.precision(dtype), ATOMIC=not single, **tk.launch_options(params))
+    return (*tensors, *sizes), options
+
+
+def precompile_gemm(namespace: str, problem: ConvProblem, params: Mapping, kernel_map: KernelMap) -> None:
+    """Compile :func:`run_gemm`'s kernel for this call without running it (Backend.precompile)."""
+    if problem.device.type != "cuda":
+        return
+    forward = namespace == "AB_gather_scatter"
+    single = mask_triton.one_pair_per_row(kernel_map, forward)[0]
+    index = torch.int64  # KernelMap.pairs
+    args, options = _gemm_launch(forward, problem.in_channels, problem.out_channels, problem.dtype, single, params,
+                                 problem.dtype, problem.dtype, index, index, index,
+                                 problem.dtype if single else torch.float32)
+    tk.warm(tk.kernels().pairs_gemm, problem.device, *args, **options)
 
 
 def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
@@ -56,17 +78,30 @@ def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Te
     a, b = a.contiguous(), b.contiguous()
     c_in, c_out = a.shape[1], b.shape[1]
     in_idx, out_idx, offset_ptr = kernel_map.pairs
-    split = int(params["split"])
     dw = torch.zeros((kernel_map.kernel_volume, c_in, c_out), dtype=torch.float32, device=a.device)
     if kernel_map.num_pairs and c_in and c_out:
-        bp, bm, bn = int(params["block_p"]), int(params["block_m"]), int(params["block_n"])
-        tiles = kernels.triton.cdiv(c_in, bm) * kernels.triton.cdiv(c_out, bn)
-        kernels.pairs_wgrad[(kernel_map.kernel_volume, tiles, split)](
-            a, b, in_idx, out_idx, offset_ptr, dw, c_in, c_out, split,
-            BLOCK_P=bp, BLOCK_M=bm, BLOCK_N=bn, PRECISION=tk.precision(a.dtype), ATOMIC=split > 1,
-            **tk.launch_options(params),
-        )
+        args, options = _wgrad_launch(c_in, c_out, a.dtype, params, a, b, in_idx, out_idx, offset_ptr, dw)
+        tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
+        kernels.pairs_wgrad[(kernel_map.kernel_volume, tiles, int(params["split"]))](*args, **options)
     return dw.to(a.dtype)
+
+
+def _wgrad_launch(c_in: int, c_out: int, dtype: torch.dtype, params: Mapping, *tensors) -> tuple[tuple, dict]:
+    """pairs_wgrad's arguments after ``tensors`` (a, b, in_idx, out_idx, offset_ptr, dw) and its options."""
+    split = int(params["split"])
+    options = dict(BLOCK_P=int(params["block_p"]), BLOCK_M=int(params["block_m"]), BLOCK_N=int(params["block_n"]),
+                   PRECISION=tk.precision(dtype), ATOMIC=split > 1, **tk.launch_options(params))
+    return (*tensors, c_in, c_out, split), options
+
+
+def precompile_wgrad(namespace: str, problem: ConvProblem, params: Mapping, kernel_map: KernelMap) -> None:
+    """Compile :func:`run_wgrad`'s kernel for this call without running it (Backend.precompile)."""
+    if problem.device.type != "cuda":
+        return
+    index = torch.int64  # KernelMap.pairs
+    args, options = _wgrad_launch(problem.in_channels, problem.out_channels, problem.dtype, params,
+                                  problem.dtype, problem.dtype, index, index, index, torch.float32)
+    tk.warm(tk.kernels().pairs_wgrad, problem.device, *args, **options)
 
 
 GEMM_SPACE = tuple(
@@ -127,6 +162,7 @@ IMPLICIT_GEMM = register(
         # The offsets of a row meet through fp32 atomics in whatever order their programs run. (Maps
         # of one pair per row store instead, but that is the map's, not the parameters', to say.)
         deterministic=never_deterministic,
+        precompile=precompile_gemm,
     )
 )
 
@@ -141,5 +177,6 @@ SPLITK_WGRAD = register(
         heuristic=lambda problem: 2.0 if problem.device.type == "cuda" else -5.0,
         # Split-K chunks meet through fp32 atomics; one chunk (split 1) stores its sum.
         deterministic=lambda namespace, params: int(params["split"]) == 1,
+        precompile=precompile_wgrad,
     )
 )

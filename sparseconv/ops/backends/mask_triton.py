@@ -47,7 +47,7 @@ def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[i
         if not (sort and table.shape[0] and fused(table)):
             return row_order(table[:, lo:hi], sort)
         # Per-offset counts are the map's pair counts in either direction: no pass over the table.
-        return fused_row_order(table, lo, hi, m.offset_counts[lo:hi])
+        return fused_row_order(table, lo, hi, m.offset_counts)
 
     return kernel_map.derived(("mask_rows" if forward else "mask_rows_t", sort, lo, hi), build)
 
@@ -65,19 +65,29 @@ def _triton_available() -> bool:
 
 def fused_row_order(table: torch.Tensor, lo: int, hi: int, counts: torch.Tensor) -> torch.Tensor:
     """:func:`row_order` of ``table[:, lo:hi]`` by one mask kernel and one sort; ``counts``: the
-    (hi - lo,) pairs per offset, which set the bit order (rarest most significant; the kernel
-    ranks them itself)."""
+    table's (K,) pairs per offset, whose entries [lo, hi) set the bit order (rarest most
+    significant; the kernel ranks them itself). The whole array, not a slice: Triton specialises
+    pointers on 16-byte alignment, and a slice at an odd offset would be another compile."""
     width, rows = hi - lo, table.shape[0]
-    bits = min(width, 63)
     # 32-bit keys when they fit: half the radix passes of the sort.
-    masks = torch.empty(rows, dtype=torch.int32 if bits <= 31 else torch.int64, device=table.device)
+    masks = torch.empty(rows, dtype=_mask_dtype(width), device=table.device)
     kernels = tk.kernels()
-    kernels.row_masks[(kernels.triton.cdiv(rows, MASK_ROWS),)](
-        table, counts, masks, rows, table.stride(0), lo, width, BLOCK=MASK_ROWS, WIDTH=_width(width), BITS=bits)
+    args, options = _masks_launch(table, counts, masks, rows, table.stride(0), lo, width)
+    kernels.row_masks[(kernels.triton.cdiv(rows, MASK_ROWS),)](*args, **options)
     return torch.sort(masks, stable=True).indices
 
 
 MASK_ROWS = 128
+
+
+def _mask_dtype(width: int) -> torch.dtype:
+    return torch.int32 if min(width, 63) <= 31 else torch.int64
+
+
+def _masks_launch(table, counts, masks, rows: int, row_stride: int, lo: int, width: int) -> tuple[tuple, dict]:
+    """row_masks' arguments and options (one place for :func:`fused_row_order` and :func:`precompile`)."""
+    return (table, counts, masks, rows, row_stride, lo, width), dict(BLOCK=MASK_ROWS, WIDTH=_width(width),
+                                                                     BITS=min(width, 63))
 
 
 def _width(width: int) -> int:
@@ -163,15 +173,18 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
         if fused(table):
             # One launch and one int32 buffer for the lists, counts and slots (each torch op costs
             # the host ~10-20 µs on a new map; this view is rebuilt for every new point cloud).
+            # Each part starts 16-byte aligned: Triton specialises pointers on it (an unaligned one
+            # is another compile, and loses vector loads).
             used = torch.empty((tiles, width), dtype=torch.int8, device=device)
-            flat = torch.empty(tiles * width * (block_m + 1) + tiles, dtype=torch.int32, device=device)
+            lists, count = _aligned(tiles * width), _aligned(tiles)
+            flat = torch.empty(lists + count + tiles * width * block_m, dtype=torch.int32, device=device)
             offsets = flat[: tiles * width].view(tiles, width)
-            counts = flat[tiles * width: tiles * (width + 1)]
-            slots = flat[tiles * (width + 1):]
+            counts = flat[lists: lists + tiles]
+            slots = flat[lists + count:]
             if tiles:
-                tk.kernels().tile_plan[(tiles,)](
-                    table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0), lo, width,
-                    BLOCK_M=block_m, WIDTH=_width(width))
+                args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0),
+                                             lo, width, block_m)
+                tk.kernels().tile_plan[(tiles,)](*args, **options)
             return used.view(torch.bool), offsets, counts, slots, starts
         present = torch.zeros((tiles * block_m, width), dtype=torch.bool, device=device)
         present[: rows.numel()] = table[rows, lo:hi] >= 0
@@ -187,6 +200,18 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
     return kernel_map.derived(("tile_plan", forward, sort, block_m, lo, hi), build)
 
 
+def _aligned(count: int) -> int:
+    """``count`` int32s rounded up to whole 16-byte units."""
+    return -(-count // 4) * 4
+
+
+def _plan_launch(table, rows, used, offsets, counts, slots, num_rows: int, row_stride: int, lo: int, width: int,
+                 block_m: int) -> tuple[tuple, dict]:
+    """tile_plan's arguments and options (one place for :func:`tile_plan` and :func:`precompile`)."""
+    return ((table, rows, used, offsets, counts, slots, num_rows, row_stride, lo, width),
+            dict(BLOCK_M=block_m, WIDTH=_width(width)))
+
+
 def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -> torch.Tensor:
     """One launch per offset group: the first stores every row, the later ones add theirs (rows
     are re-sorted per group, so each group's tiles are dense in the offsets they visit)."""
@@ -195,26 +220,62 @@ def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -
     out = new_output((table.shape[0], out_dim), a)
     if out.numel() == 0:
         return out.zero_()
-    bm, bn, bk = int(params["block_m"]), int(params["block_n"]), int(params["block_k"])
+    bm, bn = int(params["block_m"]), int(params["block_n"])
     sort = bool(params.get("sort", True))
     for step, group in enumerate(offset_groups(table.shape[1], int(params.get("splits", 1)))):
         rows = sorted_rows(kernel_map, forward, sort, group)
         _, offsets, counts, slots, starts = tile_plan(kernel_map, forward, sort, bm, group)
         grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
-        kernels.rows_gemm[grid](
-            a, w, slots, starts, rows, offsets, counts, out, table.shape[0], reduce_dim, out_dim,
-            offsets.shape[1], *strides, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=tk.precision(a.dtype),
-            ACCUMULATE=step > 0, **tk.launch_options(params),
-        )
+        args, options = _rows_launch(params, a.dtype, step, (a, w, slots, starts, rows, offsets, counts, out),
+                                     table.shape[0], reduce_dim, out_dim, offsets.shape[1], strides)
+        kernels.rows_gemm[grid](*args, **options)
     return out
+
+
+def _rows_launch(params: Mapping, dtype: torch.dtype, step: int, tensors: tuple, num_rows: int, reduce_dim: int,
+                 out_dim: int, list_len: int, strides: tuple) -> tuple[tuple, dict]:
+    """rows_gemm's arguments and options (one place for :func:`_run_rows` and :func:`precompile`)."""
+    options = dict(BLOCK_M=int(params["block_m"]), BLOCK_N=int(params["block_n"]), BLOCK_K=int(params["block_k"]),
+                   PRECISION=tk.precision(dtype), ACCUMULATE=step > 0, **tk.launch_options(params))
+    return (*tensors, num_rows, reduce_dim, out_dim, list_len, *strides), options
+
+
+def _product(namespace: str, c_in: int, c_out: int) -> tuple[bool, int, int, tuple[int, int, int]]:
+    """(forward, reduce dim, out dim, W strides) of ``namespace``: dgrad reads W_k^T through strides."""
+    if namespace == "AB_gather_scatter":
+        return True, c_in, c_out, (c_in * c_out, c_out, 1)
+    return False, c_out, c_in, (c_in * c_out, 1, c_out)
+
+
+def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map: KernelMap) -> None:
+    """Compile the kernels :func:`run` launches for this call (the views' and the product's) without
+    running them (Backend.precompile)."""
+    if problem.device.type != "cuda":
+        return
+    kernels, dtype, i32 = tk.kernels(), problem.dtype, torch.int32
+    forward, reduce_dim, out_dim, strides = _product(namespace, problem.in_channels, problem.out_channels)
+    num_rows = kernel_map.num_out if forward else kernel_map.num_in
+    volume = kernel_map.kernel_volume  # both neighbour tables are (rows, K) with row stride K
+    if num_rows == 0 or out_dim == 0:
+        return
+    bm, sort = int(params["block_m"]), bool(params.get("sort", True))
+    for step, (lo, hi) in enumerate(offset_groups(volume, int(params.get("splits", 1)))):
+        width = hi - lo
+        i64 = torch.int64  # the row order (sort indices) and the per-offset pair counts
+        if sort:
+            args, options = _masks_launch(i32, i64, _mask_dtype(width), num_rows, volume, lo, width)
+            tk.warm(kernels.row_masks, problem.device, *args, **options)
+        args, options = _plan_launch(i32, i64, torch.int8, i32, i32, i32, num_rows, volume, lo, width, bm)
+        tk.warm(kernels.tile_plan, problem.device, *args, **options)
+        args, options = _rows_launch(params, dtype, step, (dtype, dtype, i32, i64, i64, i32, i32, dtype),
+                                     num_rows, reduce_dim, out_dim, width, strides)
+        tk.warm(kernels.rows_gemm, problem.device, *args, **options)
 
 
 def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
     a, w = a.contiguous(), b.contiguous()
-    c_in, c_out = w.shape[1], w.shape[2]
-    if namespace == "AB_gather_scatter":
-        return _run_rows(a, w, kernel_map, True, params, c_in, c_out, (c_in * c_out, c_out, 1))
-    return _run_rows(a, w, kernel_map, False, params, c_out, c_in, (c_in * c_out, 1, c_out))
+    forward, reduce_dim, out_dim, strides = _product(namespace, w.shape[1], w.shape[2])
+    return _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides)
 
 
 TILES = [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
@@ -274,5 +335,6 @@ MASK_IMPLICIT_GEMM = register(
                     # 4: rows sorted rarest offset first (denser tiles)
         # Each row's sum is one program's, in list order; offset groups add in launch order.
         deterministic=always_deterministic,
+        precompile=precompile,
     )
 )

@@ -14,6 +14,7 @@ RunFn = Callable[[str, ConvProblem, Mapping, torch.Tensor, torch.Tensor, KernelM
 
 
 PoolFn = Callable[[ConvProblem, str], Sequence[Mapping]]
+PrecompileFn = Callable[[str, ConvProblem, Mapping, KernelMap], None]
 POOL_LEVELS = ("auto", "trimmed", "all")
 
 
@@ -51,6 +52,11 @@ class Backend:
     ``deterministic(namespace, params)`` says whether that product with those parameters gives
     bitwise-equal results on every run with the same inputs (deterministic mode runs only
     those); a backend that does not say is taken as not deterministic.
+    ``precompile(namespace, problem, params, kernel_map)``, if given, compiles the kernels that
+    ``run`` would compile on its first call with these arguments, without running anything: the
+    tuner calls it for a sweep's candidates on parallel threads before timing them, so it must be
+    thread-safe and read only what the map already holds (never build a lazy view); raising
+    disqualifies the candidate.
     """
 
     name: str
@@ -62,6 +68,7 @@ class Backend:
     heuristic: Callable[[ConvProblem], float] = field(default=_no_preference)
     version: int = 1
     deterministic: Callable[[str, Mapping], bool] = field(default=never_deterministic)
+    precompile: PrecompileFn | None = None
 
     def candidates_params(self, problem: ConvProblem, level: str) -> list[Mapping]:
         """Parameter sets of this backend in the ``level`` pool for ``problem``."""

@@ -22,6 +22,7 @@ The weight is addressed through strides, so dgrad reads W_k^T without a copy.
 from __future__ import annotations
 
 import functools
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -29,8 +30,23 @@ import torch
 from ... import config
 
 
-@functools.cache
+_DEFINED: SimpleNamespace | None = None
+_LOCK = threading.Lock()
+
+
 def kernels() -> SimpleNamespace:
+    """The @triton.jit kernels, defined once per process. Thread-safe: the tuner compiles them on
+    several threads at once, and a second definition (functools.cache does not lock) would take
+    the kernels one thread compiled away from the others."""
+    global _DEFINED
+    if _DEFINED is None:
+        with _LOCK:
+            if _DEFINED is None:
+                _DEFINED = _define()
+    return _DEFINED
+
+
+def _define() -> SimpleNamespace:
     import triton
     import triton.language as tl
 
@@ -158,11 +174,11 @@ def kernels() -> SimpleNamespace:
     def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, lo, width,
                   BLOCK: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr):
         """out[i] = the bitmask of the offsets ``lo + k`` present in row i, the rarest offset (fewest
-        pairs, ``count_ptr[k]``; ties by offset) most significant; only the ``BITS`` rarest get a bit."""
+        pairs, ``count_ptr[lo + k]``; ties by offset) most significant; only the ``BITS`` rarest get a bit."""
         k = tl.arange(0, WIDTH)
         j = tl.arange(0, WIDTH)
-        count_k = tl.load(count_ptr + k, mask=k < width, other=0)
-        count_j = tl.load(count_ptr + j, mask=j < width, other=0)
+        count_k = tl.load(count_ptr + lo + k, mask=k < width, other=0)
+        count_j = tl.load(count_ptr + lo + j, mask=j < width, other=0)
         # rank[k]: how many offsets are rarer than k (a WIDTH x WIDTH compare instead of an argsort
         # launch and three torch ops per view on the host).
         rarer = (count_j[None, :] < count_k[:, None]) | ((count_j[None, :] == count_k[:, None]) & (j[None, :] < k[:, None]))
@@ -236,3 +252,18 @@ def precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     return "ieee" if dtype == torch.float64 else "tf32"
+
+
+def warm(kernel, device: torch.device, *args, **options) -> None:
+    """Compile ``kernel`` for a launch with ``args`` and ``options`` without running it: pointer
+    arguments are given as their torch dtype (Triton assumes them 16-byte aligned, as torch's
+    allocations are), integers as the launch's values, which Triton specialises on. Thread-safe."""
+    with torch.cuda.device(device):  # Triton compiles for the current device of the calling thread
+        caches = getattr(kernel, "device_caches", None)
+        if caches is not None:
+            with _LOCK:
+                # A JITFunction makes its per-device kernel cache on first use, unlocked: threads
+                # racing there each made one and kept only theirs, and the kernels compiled into
+                # the others were compiled again at launch (H100, 2026-11-25).
+                caches[torch.cuda.current_device()]
+        kernel.warmup(*args, grid=(1,), **options)

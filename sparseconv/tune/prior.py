@@ -1,0 +1,347 @@
+"""A cost model fitted on the tuning cache: each candidate's time for a key never timed.
+
+A cold sweep then times only what the model ranks first (``effort`` quick) and an untimed pick
+(``effort`` none) is the model's first instead of the backends' static heuristic order.
+
+Features of a key (read back from ``TuneKey.encode()``): log2 N_in, log2 N_out, log2 pairs per
+offset, log2 C_in, log2 C_out, log2 K, down / up / generative flags and the dtype (one-hot).
+Targets: log2 of a candidate's GPU time and, separately, of its host time a call; its predicted
+cost is the larger, as the tuner's ``cost`` (a small layer's calls are host-bound, which a
+single log-linear law cannot bend to). One model per (namespace, device): slopes shared by
+every candidate, fitted on each candidate's deviations from its own mean, plus a per-candidate
+intercept and slope corrections shrunk toward zero (ridge): a candidate timed at a few keys
+borrows the common trends, one timed at many gets its own law. numpy least squares, a few
+milliseconds for a cache of thousands of timings.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ops.backends import registry
+from .cache import TuneCache
+from .configs import Candidate
+from .key import TuneKey
+
+logger = logging.getLogger("sparseconv.tune")
+
+QUICK_TOP = 3
+"""Candidates of the model's ranking that effort quick times (with every pool candidate it has no data on)."""
+MIN_KEYS = 8
+"""Keys of a namespace, device and dtype the model must have been fitted on before it prunes or picks."""
+MIN_SAMPLES = 2
+"""Keys a candidate must have been timed at for the model to predict it."""
+RIDGE = 1.0
+"""Penalty on the per-candidate slope corrections, in units of standardised features (one pseudo-key)."""
+
+FEATURES = ("log2 N_in", "log2 N_out", "log2 pairs/offset", "log2 C_in", "log2 C_out", "log2 K", "down", "up",
+            "generative")
+
+_KEY = re.compile(r"v\d+\|n(-?\d+)>(-?\d+)\|d(-?\d+)\|c(\d+)>(\d+)\|k(\d+)\|([st])([0-9x]+)(g?)\|([^|]+)\|(.+)")
+
+Entries = Iterable[tuple[str, str, Mapping]]
+
+
+@dataclass(frozen=True)
+class KeyFeatures:
+    """The numeric features of an encoded key (see FEATURES), its dtype and device."""
+
+    values: tuple[float, ...]
+    dtype: str
+    device: str
+
+
+def key_features(encoded: str) -> KeyFeatures | None:
+    """Features of a tuner key (``TuneKey.encode()``); None for anything else (an @autotune key)."""
+    match = _KEY.fullmatch(encoded)
+    if match is None:
+        return None
+    n_in, n_out, density, c_in, c_out, volume = (int(g) for g in match.groups()[:6])
+    kind, stride, generative, dtype, device = match.groups()[6:]
+    # Buckets are round(2·log2 rows) (-1: no rows) and round(-2·log2(pairs / (rows·K))).
+    log_in, log_out = max(n_in, 0) / 2, max(n_out, 0) / 2
+    strided = any(int(s) > 1 for s in stride.split("x") if s)
+    values = (log_in, log_out, log_out - density / 2, math.log2(max(c_in, 1)), math.log2(max(c_out, 1)),
+              math.log2(max(volume, 1)), float(kind == "s" and strided), float(kind == "t"), float(generative == "g"))
+    return KeyFeatures(values, dtype, device)
+
+
+def _timed(record: object) -> tuple[float, float | None] | None:
+    """(ms, host ms or None) of a record that passed the guard, else None."""
+    if not isinstance(record, Mapping) or record.get("verdict") != "ok":
+        return None
+    ms, host = record.get("ms"), record.get("host_ms")
+    if not isinstance(ms, (int, float)) or not ms > 0:
+        return None
+    return float(ms), float(host) if isinstance(host, (int, float)) and host > 0 else None
+
+
+def measured_cost(record: Mapping) -> float:
+    """A timed record's cost: its GPU or host time a call, whichever is longer (as tuner.cost)."""
+    ms, host = _timed(record) or (math.inf, None)
+    return max(ms, host or 0.0)
+
+
+class _Law:
+    """Per-candidate log-linear laws of one target, fitted as the module docstring says."""
+
+    def __init__(self, z: np.ndarray, y: np.ndarray, who: np.ndarray, count: int, ridge: float) -> None:
+        p = z.shape[1]
+        sums = np.zeros(count)
+        np.add.at(sums, who, 1.0)
+        n = np.maximum(sums, 1.0)[:, None]
+        z_mean = np.zeros((count, p))
+        np.add.at(z_mean, who, z)
+        y_mean = np.zeros(count)
+        np.add.at(y_mean, who, y)
+        zc, yc = z - (z_mean / n)[who], y - (y_mean / n[:, 0])[who]
+        shared = np.linalg.solve(zc.T @ zc + ridge * np.eye(p), zc.T @ yc)
+        self.intercept = np.full(count, np.nan)
+        self.slopes = np.tile(shared, (count, 1))
+        penalty = np.diag([0.0] + [ridge] * p)
+        for c in np.flatnonzero(sums >= MIN_SAMPLES):
+            rows = who == c
+            design = np.hstack([np.ones((int(rows.sum()), 1)), z[rows]])
+            theta = np.linalg.lstsq(design.T @ design + penalty, design.T @ (y[rows] - z[rows] @ shared), rcond=None)[0]
+            self.intercept[c] = theta[0]
+            self.slopes[c] += theta[1:]
+
+    def __call__(self, c: int, z: np.ndarray) -> float | None:
+        value = self.intercept[c] + float(self.slopes[c] @ z)
+        return None if math.isnan(value) else value
+
+
+class _Group:
+    """The laws of one (namespace, device)."""
+
+    def __init__(self, samples: list[tuple[str, str, KeyFeatures, float, float | None]], ridge: float) -> None:
+        """``samples``: (candidate id, encoded key, its features, ms, host ms or None)."""
+        self.candidates = sorted({s[0] for s in samples})
+        index = {c: i for i, c in enumerate(self.candidates)}
+        self.dtypes = sorted({s[2].dtype for s in samples})
+        self.keys_by_dtype: dict[str, int] = defaultdict(int)
+        for features in {s[1]: s[2] for s in samples}.values():
+            self.keys_by_dtype[features.dtype] += 1
+        samples = [s[:1] + s[2:] for s in samples]
+        x = np.array([self._row(s[1]) for s in samples])
+        self.mean, self.scale = x.mean(0), x.std(0)
+        self.scale[self.scale == 0] = 1.0
+        z = (x - self.mean) / self.scale
+        who = np.array([index[s[0]] for s in samples])
+        self.gpu = _Law(z, np.log2([s[2] for s in samples]), who, len(self.candidates), ridge)
+        hosted = np.array([s[3] is not None for s in samples])
+        self.host = _Law(z[hosted], np.log2([s[3] for s in samples if s[3] is not None]), who[hosted],
+                         len(self.candidates), ridge) if hosted.any() else None
+        self.index = index
+
+    def _row(self, features: KeyFeatures) -> list[float]:
+        return [*features.values, *(float(features.dtype == d) for d in self.dtypes[1:])]
+
+    def predict(self, features: KeyFeatures, candidate_ids: Sequence[str]) -> dict[str, float]:
+        """Predicted cost (ms) of each candidate the group can predict (a dtype it has seen)."""
+        if features.dtype not in self.keys_by_dtype:
+            return {}
+        z = (np.array(self._row(features)) - self.mean) / self.scale
+        out = {}
+        for cid in candidate_ids:
+            c = self.index.get(cid)
+            gpu = None if c is None else self.gpu(c, z)
+            if gpu is None:
+                continue
+            host = self.host(c, z) if self.host is not None else None
+            out[cid] = 2.0 ** max(gpu, host if host is not None else -math.inf)
+        return out
+
+
+class CostModel:
+    """Predicted cost of each candidate for keys of the namespaces and devices it was fitted on."""
+
+    def __init__(self, groups: Mapping[tuple[str, str], _Group]) -> None:
+        self._groups = dict(groups)
+
+    @classmethod
+    def fit(cls, entries: Entries, versions: Mapping[str, int] | None = None, ridge: float = RIDGE) -> CostModel:
+        """Fit on cache entries (namespace, encoded key, entry); with ``versions`` ({backend: version}),
+        a listed backend's timings of another version are left out (they timed other code)."""
+        samples: dict[tuple[str, str], list] = defaultdict(list)
+        for namespace, encoded, entry in entries:
+            features = key_features(encoded)
+            timings = entry.get("timings") if isinstance(entry, Mapping) else None
+            if features is None or not isinstance(timings, Mapping):
+                continue
+            for cid, record in timings.items():
+                timed = _timed(record)
+                backend = record.get("backend", str(cid).split("[", 1)[0]) if timed else None
+                if timed is None or (versions and backend in versions and record.get("version") != versions[backend]):
+                    continue
+                samples[(namespace, features.device)].append((cid, encoded, features, *timed))
+        return cls({group: _Group(rows, ridge) for group, rows in samples.items()})
+
+    def keys(self, namespace: str, device: str, dtype: str) -> int:
+        """How many distinct keys of this namespace, device and dtype the model was fitted on."""
+        group = self._groups.get((namespace, device))
+        return group.keys_by_dtype.get(dtype, 0) if group else 0
+
+    def predict(self, namespace: str, encoded: str, candidate_ids: Sequence[str]) -> dict[str, float]:
+        """{candidate id: predicted ms} for those of ``candidate_ids`` the model knows at this key."""
+        features = key_features(encoded)
+        group = self._groups.get((namespace, features.device)) if features else None
+        return group.predict(features, candidate_ids) if group else {}
+
+
+# ---------------------------------------------------------------- the tuner's use -------------
+
+_MODELS: weakref.WeakKeyDictionary[TuneCache, dict[str, tuple[tuple, CostModel]]] = weakref.WeakKeyDictionary()
+
+
+def model_of(cache: TuneCache, namespace: str) -> CostModel:
+    """The model of ``namespace`` fitted on ``cache`` with the registered backends' versions;
+    refitted when the namespace's entries or the versions have changed since the last fit."""
+    entries = cache.items(namespace)
+    versions = {name: registry.get(name).version for name in registry.names()}
+    signature = (len(entries), max((e.get("updated", 0) for _, _, e in entries), default=0),
+                 tuple(sorted(versions.items())))
+    fitted = _MODELS.setdefault(cache, {})
+    held = fitted.get(namespace)
+    if held is None or held[0] != signature:
+        held = fitted[namespace] = (signature, CostModel.fit(entries, versions))
+    return held[1]
+
+
+def predicted(cache: TuneCache, namespace: str, key: TuneKey, pool: Sequence[Candidate]) -> dict[str, float] | None:
+    """Predicted ms of the pool's candidates the model knows, or None while it has fewer than
+    MIN_KEYS keys of this namespace, device and dtype."""
+    model = model_of(cache, namespace)
+    if model.keys(namespace, key.device, key.dtype) < MIN_KEYS:
+        return None
+    return model.predict(namespace, key.encode(), [c.id for c in pool])
+
+
+def ranked(cache: TuneCache, namespace: str, key: TuneKey, pool: Sequence[Candidate]) -> list[Candidate]:
+    """The pool by predicted cost, candidates the model does not know after them in pool
+    (heuristic) order; the pool as it is without enough data."""
+    costs = predicted(cache, namespace, key, pool) or {}
+    return sorted(pool, key=lambda c: (c.id not in costs, costs.get(c.id, 0.0)))
+
+
+def timing_rounds(
+    cache: TuneCache,
+    namespace: str,
+    key: TuneKey,
+    pool: Sequence[Candidate],
+    missing: Sequence[Candidate],
+    effort: str,
+    passed: Callable[[], bool],
+) -> Iterator[list[Candidate]]:
+    """The untimed candidates (``missing``) to time, in rounds.
+
+    Effort quick with a fitted model: first the model's QUICK_TOP picks and every candidate it has
+    no data on, then, only if ``passed()`` says nothing in the pool passed the guard after them,
+    the rest. Otherwise (effort full, or too little data): ``missing`` in one round.
+    """
+    costs = predicted(cache, namespace, key, pool) if effort == "quick" and len(missing) > 1 else None
+    if not costs:
+        if missing:
+            yield list(missing)
+        return
+    order = sorted(pool, key=lambda c: (c.id not in costs, costs.get(c.id, 0.0)))
+    picks = {c.id for c in order[:QUICK_TOP]} | {c.id for c in pool if c.id not in costs}
+    todo = {c.id for c in missing}
+    first = [c for c in order if c.id in todo and c.id in picks]
+    rest = [c for c in order if c.id in todo and c.id not in picks]
+    if rest:
+        logger.info("sparseconv: cost model: timing %d of %d candidates for %s %s (%s)", len(first), len(pool),
+                    namespace, key.encode(), ", ".join(c.id for c in first) or "all picks cached")
+    if first:
+        yield first
+    if rest and not passed():
+        logger.info("sparseconv: cost model: no pick passed for %s %s; timing the other %d", namespace,
+                    key.encode(), len(rest))
+        yield rest
+
+
+# ---------------------------------------------------------------- accuracy on held-out keys ---
+
+@dataclass(frozen=True)
+class Accuracy:
+    """How the model ranks held-out keys of one namespace and device (slowdowns are means of
+    cost(pick) / cost(measured winner); the static pick is the candidate fastest on average over
+    the training keys, the baseline a model must beat)."""
+
+    namespace: str
+    device: str
+    keys: int
+    scored: int
+    top1: float
+    top3: float
+    slowdown_top1: float
+    slowdown_best_of_top3: float
+    worst_best_of_top3: float
+    slowdown_static: float
+
+
+def holdout_accuracy(entries: Entries, folds: int = 5, seed: int = 0, top: int = QUICK_TOP,
+                     ridge: float = RIDGE) -> list[Accuracy]:
+    """Cross-validated accuracy: keys are dealt into ``folds`` folds, each fold is predicted by a
+    model fitted on the others; one row per (namespace, device) with keys of two or more timed
+    candidates. A key is scored when the model predicts two or more of its timed candidates."""
+    if folds < 2:
+        raise ValueError(f"folds must be at least 2, got {folds}")
+    usable = []
+    for namespace, encoded, entry in entries:
+        features = key_features(encoded)
+        timings = entry.get("timings") if isinstance(entry, Mapping) else None
+        if features is None or not isinstance(timings, Mapping):
+            continue
+        costs = {cid: measured_cost(r) for cid, r in timings.items() if _timed(r)}
+        if len(costs) >= 2:
+            usable.append((namespace, encoded, entry, features.device, costs))
+    random.Random(seed).shuffle(usable)
+    scores: dict[tuple[str, str], list[tuple]] = defaultdict(list)
+    totals: dict[tuple[str, str], int] = defaultdict(int)
+    for fold in range(folds):
+        held = usable[fold::folds]
+        train = [u for i, u in enumerate(usable) if i % folds != fold]
+        model = CostModel.fit(((ns, k, e) for ns, k, e, _, _ in train), ridge=ridge)
+        static = _static_order(train)
+        for namespace, encoded, _, device, costs in held:
+            totals[(namespace, device)] += 1
+            guess = model.predict(namespace, encoded, list(costs))
+            if len(guess) < 2:
+                continue
+            best = min(costs.values())
+            order = sorted(guess, key=guess.get)
+            winner = min(costs, key=costs.get)
+            fallback = static.get((namespace, device), {})
+            baseline = min(costs, key=lambda c: fallback.get(c, math.inf))
+            scores[(namespace, device)].append((
+                order[0] == winner, winner in order[:top], costs[order[0]] / best,
+                min(costs[c] for c in order[:top]) / best, costs[baseline] / best))
+    rows = []
+    for (namespace, device), total in sorted(totals.items()):
+        got = scores.get((namespace, device), [])
+        mean = (lambda i: sum(s[i] for s in got) / len(got)) if got else (lambda i: math.nan)
+        rows.append(Accuracy(namespace, device, total, len(got), mean(0), mean(1), mean(2), mean(3),
+                             max((s[3] for s in got), default=math.nan), mean(4)))
+    return rows
+
+
+def _static_order(train: list[tuple]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (namespace, device): each candidate's mean log2(cost / best cost) over the training
+    keys it was timed at (two at least)."""
+    ratios: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for namespace, _, _, device, costs in train:
+        best = min(costs.values())
+        for cid, value in costs.items():
+            ratios[(namespace, device)][cid].append(math.log2(value / best))
+    return {group: {cid: sum(v) / len(v) for cid, v in by.items() if len(v) >= MIN_SAMPLES}
+            for group, by in ratios.items()}

@@ -1,0 +1,126 @@
+"""Parallel compile before a sweep: every timed candidate's hook runs, concurrently, and a failing
+one disqualifies its candidate in one log line."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from conv_cases import MODES, make_input
+from fakes import Calls, registered
+
+import sparseconv.tune
+from sparseconv.ops import sparse_conv3d
+from sparseconv.ops.backends import Backend, explicit
+
+FWD = "AB_gather_scatter"
+LEVELS = 4
+
+
+def _compiling(calls: Calls, barrier: threading.Barrier | None = None, broken: frozenset = frozenset()) -> Backend:
+    """LEVELS parameter sets whose hook waits at ``barrier`` (so they pass only if they run at once);
+    those in ``broken`` fail to compile with a long compiler dump."""
+    threads: set[str] = set()
+
+    def precompile(namespace, problem, params, kernel_map):
+        calls.add(f"compile[{params['level']}]", namespace)
+        threads.add(threading.current_thread().name)
+        if params["level"] in broken:
+            raise RuntimeError("ptxas fatal: out of registers\n" + "IR DUMP LINE\n" * 500)
+        if barrier is not None:
+            barrier.wait()
+
+    def run(namespace, problem, params, a, b, kernel_map):
+        calls.add(f"run[{params['level']}]", namespace)
+        return explicit.run(namespace, problem, params, a, b, kernel_map)
+
+    backend = Backend("fake_compiled", frozenset({FWD}), run, params_space=tuple({"level": i} for i in range(LEVELS)),
+                      precompile=precompile)
+    calls.threads = threads
+    return backend
+
+
+def _conv() -> dict:
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
+    record: dict = {}
+    sparse_conv3d(x, torch.randn(27, 4, 5), record=record, fwd_algo=["fake_compiled"])
+    return record
+
+
+def test_every_timed_candidate_is_compiled_concurrently_before_it_runs():
+    calls = Calls()
+    # Every hook must be inside wait() at once for any to pass: a sequential loop breaks the barrier.
+    barrier = threading.Barrier(LEVELS, timeout=20)
+    with registered(_compiling(calls, barrier)):
+        record = _conv()
+    assert not barrier.broken
+    assert [calls.of(f"compile[{i}]") for i in range(LEVELS)] == [1] * LEVELS
+    assert all(calls.of(f"run[{i}]") >= 1 for i in range(LEVELS))
+    assert len(calls.threads) == LEVELS and threading.current_thread().name not in calls.threads
+    assert record[FWD].startswith("fake_compiled[")
+
+
+def test_a_failing_compile_disqualifies_its_candidate_in_one_log_line(caplog):
+    calls = Calls()
+    with registered(_compiling(calls, broken=frozenset({1}))), caplog.at_level(logging.INFO, "sparseconv"):
+        record = _conv()
+    assert calls.of("run[1]") == 0 and all(calls.of(f"run[{i}]") >= 1 for i in (0, 2, 3))
+    assert record[FWD] != "fake_compiled[level=1]"
+    lines = [r.getMessage() for r in caplog.records if "fake_compiled[level=1]" in r.getMessage()]
+    assert len(lines) == 1 and "ptxas fatal: out of registers" in lines[0] and "IR DUMP" not in caplog.text
+    (entry,) = [e for _, _, e in sparseconv.tune.get_tuner().cache.items(FWD)]
+    stored = entry["timings"]["fake_compiled[level=1]"]
+    assert stored["verdict"] == "failed" and stored["ms"] is None
+    assert stored["reason"] == "RuntimeError while compiling: ptxas fatal: out of registers"
+
+
+def test_backends_without_a_hook_are_timed_as_before():
+    calls = Calls()
+    backend = _compiling(calls)
+    with registered(Backend(backend.name, backend.ops, backend.run, params_space=backend.params_space)):
+        _conv()
+    assert sum(calls.of(f"compile[{i}]") for i in range(LEVELS)) == 0
+    assert all(calls.of(f"run[{i}]") >= 1 for i in range(LEVELS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2")],
+                         ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_precompiled_triton_kernels_are_the_ones_the_run_launches(mode, dtype):
+    """After the hooks of every Triton candidate, running them compiles nothing more: the hooks
+    pass what the runs pass (dtypes, alignment, the integers Triton specialises on)."""
+    from sparseconv.coords import KernelMapKey
+    from sparseconv.ops.backends import get, triton_kernels
+    from sparseconv.ops.problem import ConvProblem
+    from sparseconv.tune.configs import Candidate
+    from sparseconv.tune.precompile import precompile
+
+    def compiled() -> int:
+        kernels = triton_kernels.kernels()
+        return sum(len(cache[0]) for name in ("rows_gemm", "pairs_gemm", "pairs_wgrad", "row_masks", "tile_plan")
+                   for cache in getattr(kernels, name).device_caches.values())
+
+    c_in, c_out = 32, 48
+    x = make_input(mode, c_in, "cuda", dtype=dtype, n=3001, extent=30)
+    size = (mode.kernel_size,) * 3
+    kernel_map = x.cache.kernel_map(KernelMapKey(x.coord_id, size, (mode.stride,) * 3, (1, 1, 1), mode.transposed,
+                                                 mode.generative))[0]
+    problem = ConvProblem(kernel_map.num_in, kernel_map.num_out, c_in, c_out, size, (mode.stride,) * 3, (1, 1, 1),
+                          mode.transposed, mode.generative, dtype, x.device)
+    weight = torch.randn(kernel_map.kernel_volume, c_in, c_out, device="cuda", dtype=dtype)
+    grad_out = torch.randn(kernel_map.num_out, c_out, device="cuda", dtype=dtype)
+    operands = {"AB_gather_scatter": (x.feats, weight), "ABt_gather_scatter": (grad_out, weight),
+                "AtB_gather_gather": (x.feats, grad_out)}
+    for name in ("mask_implicit_gemm", "implicit_gemm", "splitk_wgrad"):
+        backend = get(name)
+        for namespace in sorted(backend.ops):
+            candidates = [Candidate.of(name, p) for p in backend.candidates_params(problem, "trimmed")]
+            assert precompile(namespace, problem, candidates, kernel_map) == {}
+            before = compiled()
+            for candidate in candidates:
+                backend.run(namespace, problem, candidate.params_dict, *operands[namespace], kernel_map)
+            torch.cuda.synchronize()
+            assert compiled() == before, (name, namespace)

@@ -1,0 +1,239 @@
+"""The cost model: a planted law is recovered, held-out keys are ranked well, no data falls back,
+and the tuner times only the model's top picks under effort quick."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+from conv_cases import MODES, make_input
+from fakes import Calls, registered
+
+import sparseconv.tune
+from sparseconv.ops import sparse_conv3d
+from sparseconv.ops.backends import Backend, explicit
+from sparseconv.tune import prior
+from sparseconv.tune.cache import TuneCache
+from sparseconv.tune.configs import Candidate
+from sparseconv.tune.key import TuneKey, device_identity
+
+DEVICE = "cuda FAKE GPU sm90 132SM"
+FWD = "AB_gather_scatter"
+# log2 ms = intercept + slopes . (log2 N_in, log2 N_out, log2 pairs/offset, log2 C_in, log2 C_out, log2 K, down,
+# up, generative): "small" wins small layers, "large" large ones, "wide" many channels; they cross in the grid.
+LAWS = {
+    "small": (-24.0, (0.1, 1.0, 0.1, 0.5, 0.5, 0.8, 0.0, 0.0, 0.0)),
+    "large": (-21.0, (0.1, 0.8, 0.1, 0.5, 0.5, 0.7, 0.2, 0.0, 0.0)),
+    "wide": (-21.6, (0.1, 1.0, 0.1, 0.3, 0.3, 0.8, 0.0, 0.3, 0.0)),
+    "slow": (-22.0, (0.1, 1.0, 0.1, 0.5, 0.5, 0.8, 0.0, 0.0, 0.0)),
+}
+
+
+def law(cid: str, encoded: str) -> float:
+    """The planted log2 ms of ``cid`` at a key (cand ids may carry params: their backend's law)."""
+    intercept, slopes = LAWS[cid.split("[", 1)[0]]
+    return intercept + sum(s * v for s, v in zip(slopes, prior.key_features(encoded).values))
+
+
+def random_key(rng: random.Random, namespace: str = FWD, device: str = DEVICE, dtype: str = "float16") -> str:
+    n = rng.randrange(20, 38)
+    geometry = rng.choice(["s1x1x1", "s2x2x2", "t2x2x2"])
+    return TuneKey(namespace, n + rng.choice([-1, 0, 1]), n, rng.randrange(2, 9), rng.choice([16, 32, 64, 128, 256]),
+                   rng.choice([16, 32, 64, 128, 256]), rng.choice([8, 27]), geometry, dtype, device).encode()
+
+
+def entry(encoded: str, candidates, noise: float, rng: random.Random) -> dict:
+    timings = {}
+    for cid in candidates:
+        ms = 2.0 ** (law(cid, encoded) + rng.gauss(0.0, noise))
+        timings[cid] = {"backend": cid.split("[", 1)[0], "params": [], "version": 1, "ms": ms,
+                        "host_ms": 1e-4, "samples": 10, "verdict": "ok"}
+    return {"timings": timings, "winner": min(timings, key=lambda c: timings[c]["ms"]), "evidence": 10,
+            "updated": time.time()}
+
+
+def synthetic(count: int, seed: int = 0, noise: float = 0.02, candidates=tuple(LAWS), **key_args) -> list:
+    rng = random.Random(seed)
+    keys = {random_key(rng, **key_args) for _ in range(count)}
+    return [(FWD if "namespace" not in key_args else key_args["namespace"], k, entry(k, candidates, noise, rng))
+            for k in sorted(keys)]
+
+
+def test_a_planted_log_linear_law_is_recovered_on_unseen_keys():
+    train, unseen = synthetic(150, seed=1, noise=0.01), synthetic(40, seed=2, noise=0.0)
+    model = prior.CostModel.fit(train)
+    for namespace, encoded, _ in unseen:
+        predicted = model.predict(namespace, encoded, list(LAWS))
+        assert set(predicted) == set(LAWS)
+        for cid, ms in predicted.items():
+            assert abs(math.log2(ms) - law(cid, encoded)) < 0.05, (cid, encoded)
+    # The slope itself: doubling C_out multiplies "wide"'s time by 2**0.3.
+    base = TuneKey(FWD, 30, 30, 4, 64, 64, 27, "s1x1x1", "float16", DEVICE)
+    wider = TuneKey(FWD, 30, 30, 4, 64, 128, 27, "s1x1x1", "float16", DEVICE)
+    ratio = model.predict(FWD, wider.encode(), ["wide"])["wide"] / model.predict(FWD, base.encode(), ["wide"])["wide"]
+    assert ratio == pytest.approx(2.0 ** 0.3, rel=0.02)
+
+
+def test_host_time_bounds_the_predicted_cost():
+    rows = synthetic(60, seed=3, noise=0.0)
+    for _, _, e in rows:
+        e["timings"]["small"]["host_ms"] = 5.0  # host-bound everywhere: its cost never drops below 5 ms
+    predicted = prior.CostModel.fit(rows).predict(FWD, TuneKey(FWD, 20, 20, 4, 16, 16, 8, "s1x1x1", "float16",
+                                                                 DEVICE).encode(), ["small"])
+    assert predicted["small"] == pytest.approx(5.0, rel=0.01)
+
+
+def test_held_out_keys_are_ranked_well_from_a_cache_file(tmp_path):
+    path = tmp_path / "gpu.msgpack"
+    cache = TuneCache(path)
+    for namespace, encoded, e in synthetic(200, seed=4, noise=0.03):
+        cache.put(namespace, encoded, e)
+    cache.flush(force=True)
+    rows = prior.holdout_accuracy(TuneCache(path).items(), folds=5)
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row.namespace, row.device, row.scored) == (FWD, DEVICE, row.keys) and row.keys >= 150
+    assert row.top1 >= 0.85 and row.top3 == 1.0, row
+    assert row.slowdown_top1 < 1.03 and row.slowdown_best_of_top3 == 1.0, row
+    assert row.slowdown_static > row.slowdown_top1, row  # the winner moves with the shape: a fixed pick loses
+
+
+def test_without_enough_data_the_pool_keeps_its_heuristic_order(tmp_path):
+    cache = TuneCache(tmp_path / "c.msgpack")
+    key = TuneKey(FWD, 30, 30, 4, 64, 64, 27, "s1x1x1", "float16", DEVICE)
+    pool = [Candidate("slow"), Candidate("small"), Candidate("wide"), Candidate("large")]
+    assert prior.ranked(cache, FWD, key, pool) == pool  # no data at all
+    assert list(prior.timing_rounds(cache, FWD, key, pool, pool, "quick", lambda: False)) == [pool]
+    for namespace, encoded, e in synthetic(prior.MIN_KEYS - 1, seed=5):
+        cache.put(namespace, encoded, e)
+    assert prior.ranked(cache, FWD, key, pool) == pool  # too few keys
+    for namespace, encoded, e in synthetic(40, seed=6, dtype="bfloat16"):
+        cache.put(namespace, encoded, e)
+    assert prior.ranked(cache, FWD, key, pool) == pool  # enough keys, of another dtype
+    for namespace, encoded, e in synthetic(40, seed=7, device="cuda OTHER GPU sm80 108SM"):
+        cache.put(namespace, encoded, e)
+    assert prior.ranked(cache, FWD, key, pool) == pool  # enough keys, of another device
+    for namespace, encoded, e in synthetic(40, seed=8):
+        cache.put(namespace, encoded, e)
+    ranked = prior.ranked(cache, FWD, key, pool)
+    assert ranked != pool and ranked[-1] == Candidate("slow")
+
+
+def test_quick_times_the_top_picks_and_unknown_candidates_then_the_rest_only_if_none_passed(tmp_path):
+    cache = TuneCache(tmp_path / "c.msgpack")
+    for namespace, encoded, e in synthetic(40, seed=9):
+        cache.put(namespace, encoded, e)
+    key = TuneKey(FWD, 30, 30, 4, 64, 64, 27, "s1x1x1", "float16", DEVICE)
+    pool = [Candidate(n) for n in ("slow", "small", "wide", "large", "new")]  # "new": never timed anywhere
+    rounds = prior.timing_rounds(cache, FWD, key, pool, pool, "quick", lambda: True)
+    first = next(rounds)
+    assert Candidate("new") in first and Candidate("slow") not in first and len(first) == prior.QUICK_TOP + 1
+    assert list(rounds) == []  # a pick passed: the rest stay untimed
+    rounds = list(prior.timing_rounds(cache, FWD, key, pool, pool, "quick", lambda: False))
+    assert rounds[1] == [Candidate("slow")]
+    assert list(prior.timing_rounds(cache, FWD, key, pool, pool, "full", lambda: False)) == [pool]
+
+
+# ---------------------------------------------------------------- in the tuner -----------------
+
+def _speeds(calls: Calls, wrong: frozenset = frozenset()) -> Backend:
+    """Six parameter sets that sleep 0, 4, ..., 20 ms; those in ``wrong`` return noise."""
+    def run(namespace, problem, params, a, b, kernel_map):
+        calls.add(f"fake_speeds[{params['level']}]", namespace)
+        time.sleep(params["level"] * 4e-3)
+        out = explicit.run(namespace, problem, params, a, b, kernel_map)
+        return torch.randn_like(out) if params["level"] in wrong else out
+
+    return Backend("fake_speeds", frozenset({FWD}), run, params_space=tuple({"level": i} for i in range(6)))
+
+
+def _seed_cache(fastest: int = 0) -> None:
+    """Timings of the fake's six sets at many keys of this machine, the slower the further from ``fastest``."""
+    rng = random.Random(0)
+    cache = sparseconv.tune.get_tuner().cache
+    device = device_identity(torch.device("cpu"))
+    for _ in range(3 * prior.MIN_KEYS):
+        encoded = random_key(rng, device=device, dtype="float32")
+        ms = 2.0 ** (law("small", encoded))
+        timings = {f"fake_speeds[level={i}]": {"backend": "fake_speeds", "params": [["level", i]], "version": 1,
+                                               "ms": ms * (1 + abs(i - fastest)), "samples": 10, "verdict": "ok"} for i in range(6)}
+        cache.put(FWD, encoded, {"timings": timings, "winner": f"fake_speeds[level={fastest}]", "evidence": 60,
+                                 "updated": time.time()})
+
+
+def _conv(**pins):
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
+    weight = torch.randn(27, 4, 5)
+    record: dict = {}
+    sparse_conv3d(x, weight, record=record, **pins)
+    return record
+
+
+@pytest.mark.parametrize("effort", ["quick", "full"])
+def test_the_tuner_times_only_the_models_top_picks_under_quick(monkeypatch, effort):
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", effort)
+    calls = Calls()
+    with registered(_speeds(calls)):
+        _seed_cache()
+        record = _conv(fwd_algo=["fake_speeds"])
+    timed = {i for i in range(6) if calls.of(f"fake_speeds[{i}]")}
+    assert timed == ({0, 1, 2} if effort == "quick" else set(range(6)))
+    assert record[FWD] in {f"fake_speeds[level={i}]" for i in timed}
+
+
+def test_the_tuner_times_the_rest_when_no_top_pick_passes(caplog):
+    calls = Calls()
+    with registered(_speeds(calls, wrong=frozenset({0, 1, 2}))), caplog.at_level(logging.INFO, "sparseconv.tune"):
+        _seed_cache()
+        record = _conv(fwd_algo=["fake_speeds"])
+    assert all(calls.of(f"fake_speeds[{i}]") for i in range(6))
+    assert record[FWD] in {"fake_speeds[level=3]", "fake_speeds[level=4]", "fake_speeds[level=5]"}
+    assert "no pick passed" in caplog.text
+
+
+def test_effort_none_runs_the_models_first_pick_untimed(monkeypatch):
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "none")
+    calls = Calls()
+    with registered(_speeds(calls)):
+        _seed_cache(fastest=4)  # the pool's order (by id) puts level 0 first
+        record = _conv(fwd_algo=["fake_speeds"])
+    assert record[FWD] == "fake_speeds[level=4]"
+    assert sum(calls.counts.values()) == 1  # the forward itself: nothing timed
+
+
+def test_no_data_fallback_in_the_tuner_is_the_heuristic_order(monkeypatch):
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "none")
+    with registered(_speeds(Calls())):
+        record = _conv(fwd_algo=["fake_speeds"])
+    assert record[FWD] == "fake_speeds[level=0]"  # equal heuristic scores: the pool is in id order
+
+
+def test_key_features_read_an_encoded_key():
+    key = TuneKey(FWD, 30, 28, 6, 32, 64, 27, "t2x2x2g", "bfloat16", "cuda NVIDIA H100 | odd name sm90 132SM")
+    features = prior.key_features(key.encode())
+    assert features.dtype == "bfloat16" and features.device == key.device
+    assert np.allclose(features.values, (15, 14, 14 - 3, 5, 6, math.log2(27), 0, 1, 1))
+    assert prior.key_features("autotune:op=x|dtype=float16") is None
+
+
+def test_bench_tuner_prior_option_prints_the_accuracy_table(tmp_path, capsys, monkeypatch):
+    from conftest import load_script
+
+    path = tmp_path / "gpu.msgpack"
+    cache = TuneCache(path)
+    for namespace, encoded, e in synthetic(60, seed=10):
+        cache.put(namespace, encoded, e)
+    cache.flush(force=True)
+    monkeypatch.setattr("sys.argv", ["bench_tuner.py", "--prior", str(path), "--folds", "3"])
+    load_script("bench_tuner").main()
+    lines = capsys.readouterr().out.splitlines()
+    assert "3-fold" in lines[0] and lines[1].split()[:4] == ["namespace", "device", "keys", "scored"]
+    assert lines[2].startswith(FWD) and DEVICE in lines[2]
+    with pytest.raises(SystemExit, match="is not a file"):
+        monkeypatch.setattr("sys.argv", ["bench_tuner.py", "--prior", str(tmp_path / "missing")])
+        load_script("bench_tuner").main()
