@@ -41,11 +41,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # imported (sparseconv/tune/__init__.py -> dispatch.set_runner); ops/dispatch.py imports it
     # on the first product only to trigger that, and never calls into it by name.
     ("sparseconv.ops.dispatch", "sparseconv.tune"): "the tuner registers itself as the runner",
-    # Debt, not design: the CUTLASS backends tune their inner tile configs with @autotune from
-    # the tuner package. Moving the decorator under the backends (or handing it down through
-    # the registry) waits for the rework of cutlass_gemm.py under way on another branch.
-    ("sparseconv.ops.backends.cutlass_gemm", "sparseconv.tune.decorator"): "@autotune of inner configs (debt)",
-    ("sparseconv.ops.backends.cutlass_sm90", "sparseconv.tune.decorator"): "@autotune of inner configs (debt)",
 }
 
 

@@ -13,6 +13,7 @@ import torch
 
 from ..coords.kernel_map import KernelMap
 from ..ops import dispatch as _dispatch
+from ..ops.backends import registry as _registry
 from ..ops.problem import ConvProblem
 from . import shipped
 from .cache import TuneCache
@@ -52,6 +53,7 @@ def run(
 
 
 _dispatch.set_runner(run)
+_registry.set_inner_tuner(autotune)
 
 
 __all__ = [

@@ -12,7 +12,8 @@
   chunks summed in a fixed order by a second kernel (deterministic).
 
 The tile shape and pipeline depth (and the chunk length of wgrad) are inner configurations,
-tuned with :func:`sparseconv.tune.autotune`; the tuner's namespaces choose between families.
+tuned with :func:`sparseconv.tune.autotune`, handed down as :func:`registry.inner_autotune`; the
+tuner's namespaces choose between families.
 fp16 and bf16 run with fp32 accumulation; fp32 runs through tf32 tensor ops, so only where
 ``torch.backends.cuda.matmul.allow_tf32`` allows it. Channel counts must allow 16-byte vector
 loads (multiples of 8 for 16-bit types, 4 for fp32); other counts fall back to the other
@@ -32,11 +33,10 @@ import numpy as np
 import torch
 
 from ...coords.kernel_map import KernelMap
-from ...tune.decorator import autotune
 from ..problem import ConvProblem
 from . import cuda_jit, cuda_launch
 from .mask_triton import one_pair_per_row, product_table, sorted_rows, tile_offsets
-from .registry import Backend, always_deterministic, register
+from .registry import Backend, always_deterministic, inner_autotune, register
 
 SOURCE = "sparse_gemm.cu"
 ELEMENT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -179,7 +179,7 @@ def gather_table(kernel_map: KernelMap, forward: bool,
     return kernel_map.derived(("cutlass_rows", forward, lo, hi), build)
 
 
-@autotune(TILES, key=("op", "dtype", "channels", "rows"))
+@inner_autotune(TILES, key=("op", "dtype", "channels", "rows"))
 def _grouped(tile: Tile, source: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap,
              forward: bool) -> None:
     table, order, sources = gather_table(kernel_map, forward)
@@ -210,7 +210,7 @@ def run_grouped(namespace: str, problem: ConvProblem, params: Mapping, a: torch.
 
 # ---------------------------------------------------------------- cutlass_implicit_gemm ---------
 
-@autotune(TILES, key=("op", "dtype", "channels", "rows"))
+@inner_autotune(TILES, key=("op", "dtype", "channels", "rows"))
 def _pairs(tile: Tile, a: torch.Tensor, w: torch.Tensor, kernel_map: KernelMap, forward: bool) -> torch.Tensor:
     """(rows, cols) fp32: the per-offset launches accumulate into it (a fresh one per call)."""
     in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)
@@ -245,7 +245,7 @@ def _pair_blocks(kernel_map: KernelMap, size: int) -> torch.Tensor:
     return torch.from_numpy(blocks).to(kernel_map.neighbors.device)
 
 
-@autotune(TILES, key=("op", "dtype", "channels", "rows"))
+@inner_autotune(TILES, key=("op", "dtype", "channels", "rows"))
 def _single(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap,
             forward: bool) -> None:
     in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)
@@ -288,7 +288,7 @@ def _chunks(kernel_map: KernelMap, chunk: int) -> tuple[torch.Tensor, torch.Tens
     return blocks[:, 1:].contiguous(), starts
 
 
-@autotune(WGRAD_TILES, key=("dtype", "channels", "pairs"))
+@inner_autotune(WGRAD_TILES, key=("dtype", "channels", "pairs"))
 def _wgrad(tile: WgradTile, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
     """(K, C_in, C_out) in a's dtype: each chunk's product in fp32, then each offset's chunks summed."""
     in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)

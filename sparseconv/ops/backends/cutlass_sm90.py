@@ -26,11 +26,10 @@ import numpy as np
 import torch
 
 from ...coords.kernel_map import KernelMap
-from ...tune.decorator import autotune
 from ..problem import ConvProblem
 from . import cuda_jit, cutlass_gemm
 from .mask_triton import active_lists, offset_groups
-from .registry import Backend, always_deterministic, register
+from .registry import Backend, always_deterministic, inner_autotune, register
 
 SOURCE = "rows_sm90.cu"
 ARCH = "sm_90a"
@@ -136,7 +135,7 @@ def _group_lists(kernel_map: KernelMap, forward: bool, block_m: int,
     return kernel_map.derived(("sm90_lists", forward, block_m, *group), build)
 
 
-@autotune(TILES, key=("op", "dtype", "channels", "rows", "splits"))
+@inner_autotune(TILES, key=("op", "dtype", "channels", "rows", "splits"))
 def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap, forward: bool,
           groups: tuple[tuple[int, int], ...]) -> None:
     """out (rows, cols), written in full: the forward (ab) or dgrad (abt) product of ``a`` and W,

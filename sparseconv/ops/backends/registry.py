@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -105,3 +106,44 @@ def get(name: str) -> Backend:
 def names(namespace: str | None = None) -> list[str]:
     """Registered backend names, those implementing ``namespace`` if given."""
     return sorted(n for n, b in _BACKENDS.items() if namespace is None or namespace in b.ops)
+
+
+# ------------------------------------------------------------ inner configurations -------------
+
+InnerTuner = Callable[..., Callable[[Callable], Callable]]
+"""``tuner(configs, key) -> decorator``: what :func:`sparseconv.tune.autotune` is."""
+
+_inner_tuner: InnerTuner | None = None
+
+
+def set_inner_tuner(tuner: InnerTuner | None) -> InnerTuner | None:
+    """Hand down the decorator that tunes a backend's inner configurations; returns the previous one.
+
+    ``sparseconv.tune`` registers its ``autotune`` when imported, as it registers the runner
+    (:func:`sparseconv.ops.dispatch.set_runner`): the backends sit below the tuner and never import it.
+    """
+    global _inner_tuner
+    previous, _inner_tuner = _inner_tuner, tuner
+    return previous
+
+
+def inner_autotune(configs: Sequence, key: Sequence[str]) -> Callable[[Callable], Callable]:
+    """``@inner_autotune(configs, key)`` on ``fn(config, *args, **key_kwargs)``: the registered
+    tuner's decorator, bound on the first call (a kernel runs inside a product, whose dispatch has
+    loaded the tuner by then); ``__wrapped__`` is ``fn``, to run one config by hand."""
+
+    def wrap(fn: Callable) -> Callable:
+        tuned: Callable | None = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal tuned
+            if tuned is None:
+                if _inner_tuner is None:
+                    raise RuntimeError(f"{fn.__qualname__}: no inner tuner registered (import sparseconv.tune first)")
+                tuned = _inner_tuner(configs, key)(fn)
+            return tuned(*args, **kwargs)
+
+        return call
+
+    return wrap
