@@ -7,11 +7,14 @@ against the naive one (and against spconv where the weight layouts can be matche
 
     python scripts/bench_core.py                 # best device, fp32, street + room
     python scripts/bench_core.py --device cpu --repeats 5
+    python scripts/bench_core.py --stages        # a fresh map's host time, step by step (ours)
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -127,6 +130,53 @@ def run(device: torch.device, scenes: list[str], channels: int, repeats: int, dt
     return rows
 
 
+def stage_rows(device: torch.device, scenes: list[str], channels: int, repeats: int, dtype: torch.dtype) -> list[list[str]]:
+    """Where a new map's host time goes: each step of a fresh subm3 map (cumulative, as a pass
+    builds it), a fresh conv and the same conv with its map kept; host ms until the call returns
+    and wall ms after a sync (the tuner's choice is made before timing)."""
+    rows = []
+    for scene in scenes:
+        coords, _ = make_scene(scene, batch_size=2)
+        coords = coords.to(device)
+        feats = torch.randn(len(coords), channels, device=device, dtype=dtype)
+        weight = torch.randn(27, channels, channels, device=device, dtype=dtype) / (27 * channels) ** 0.5
+
+        def fresh(validate: bool = False) -> SparseTensor:
+            return SparseTensor(coords, feats, validate=validate)
+
+        def subm(x: SparseTensor):
+            return x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0]
+
+        kept = fresh(True)
+        sparse_conv3d(kept, weight)  # tunes, compiles
+        steps = {
+            "SparseTensor (validated)": lambda: fresh(True),
+            "+ packed keys": lambda: (x := fresh()).cache.keys(x.coord_id),
+            "+ hash table": lambda: (x := fresh()).cache.table(x.coord_id),
+            "+ neighbour query": lambda: subm(fresh()),
+            "+ pair counts (sync)": lambda: subm(fresh()).pair_counts,
+            "fresh conv": lambda: sparse_conv3d(fresh(), weight),
+            "conv, map kept": lambda: sparse_conv3d(kept, weight),
+        }
+        for what, fn in steps.items():
+            for _ in range(3):
+                fn()
+            hosts, walls = [], []
+            for _ in range(repeats):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                fn()
+                issued = time.perf_counter()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                hosts.append(issued - start)
+                walls.append(time.perf_counter() - start)
+            rows.append([scene, f"{len(coords)}", what, f"{1e3 * statistics.median(hosts):.3f}",
+                         f"{1e3 * statistics.median(walls):.3f}"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -134,18 +184,25 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=None, help="default: 20 on GPU, 5 on CPU")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    parser.add_argument("--stages", action="store_true",
+                        help="instead: a fresh map's host time step by step (ours only), and a conv with it kept")
     args = parser.parse_args()
     device = torch.device(args.device)
     repeats = args.repeats or (20 if device.type == "cuda" else 5)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}; submanifold k=3, C={args.channels}->{args.channels}, {args.dtype}, batch of 2 scenes, "
           f"median of {repeats} (ms)")
-    header = ["scene", "N", "what", "ours", "spconv", "spconv-triton", "naive torch"]
-    rows = run(device, args.scenes, args.channels, repeats, getattr(torch, args.dtype))
+    if args.stages:
+        header = ["scene", "N", "step (ours)", "host ms", "wall ms"]
+        rows = stage_rows(device, args.scenes, args.channels, repeats, getattr(torch, args.dtype))
+    else:
+        header = ["scene", "N", "what", "ours", "spconv", "spconv-triton", "naive torch"]
+        rows = run(device, args.scenes, args.channels, repeats, getattr(torch, args.dtype))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     for row in [header, *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-    print("* anchors' map = a forward on a fresh tensor minus a forward with its indices cached")
+    if not args.stages:
+        print("* anchors' map = a forward on a fresh tensor minus a forward with its indices cached")
 
 
 if __name__ == "__main__":
