@@ -251,7 +251,7 @@ def test_a_pool_of_only_the_reference_is_not_timed():
 
 
 def test_the_guard_accepts_correct_half_results_of_subnormal_size_and_rejects_wrong_ones():
-    from sparseconv.tune.tuner import check_output
+    from sparseconv.tune.guard import check_output
 
     # An fp16 network's gradients without loss scaling: ~1e-6, subnormal in half precision.
     reference = torch.randn(4096, 64, dtype=torch.float32) * 1e-6
