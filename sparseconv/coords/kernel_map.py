@@ -72,8 +72,13 @@ class KernelMap:
         identity_offset: int | None = None,
     ) -> None:
         self.neighbors = neighbors
+        self._describe(num_in, neighbors.shape[0], kernel_size, identity_offset)
+        _own_table(self)
+
+    def _describe(self, num_in: int, num_out: int, kernel_size: Triple, identity_offset: int | None) -> None:
+        """Everything but the table (which :class:`_AdjointMap` makes lazily)."""
         self.num_in = num_in
-        self.num_out = neighbors.shape[0]
+        self.num_out = num_out
         self.kernel_size = kernel_size
         self.kernel_volume = math.prod(kernel_size)
         self.identity_offset = identity_offset
@@ -85,7 +90,6 @@ class KernelMap:
         each voxel lies in one coarse cell). Set by whoever builds the map; False means unknown."""
         self.each_output_once = False
         """Every output row is in exactly one pair (the transpose of such a map); False means unknown."""
-        _own_table(self)
 
     def transposed(self) -> KernelMap:
         """The adjoint map (inputs and outputs swapped, same offset index): a transposed conv's map
@@ -200,18 +204,14 @@ class _AdjointMap(KernelMap):
     of ~8 torch ops) is built only if a backend reads it; pair-list backends never do."""
 
     def __init__(self, source: KernelMap) -> None:
+        self._describe(source.num_out, source.num_in, source.kernel_size, source.identity_offset)
         self.__dict__["transposed_neighbors"] = source.neighbors
-        self.num_in, self.num_out = source.num_out, source.num_in
-        self.kernel_size, self.kernel_volume = source.kernel_size, source.kernel_volume
-        self.identity_offset = source.identity_offset
-        self._derived = {}
         self.transpose_of = source
         self.each_input_once, self.each_output_once = source.each_output_once, source.each_input_once
 
     @functools.cached_property
     def neighbors(self) -> torch.Tensor:  # type: ignore[override] - an attribute of a queried map
-        table = self.transpose_of.transposed_neighbors
-        self.__dict__["neighbors"] = table
+        table = self.__dict__["neighbors"] = self.transpose_of.transposed_neighbors  # _own_table reads it
         _own_table(self)  # found by its table from now on (torch.compile's ops), as a queried map is
         return table
 
