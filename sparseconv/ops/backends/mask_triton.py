@@ -186,12 +186,11 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
                                              lo, width, block_m)
                 tk.kernels().tile_plan[(tiles,)](*args, **options)
             return used.view(torch.bool), offsets, counts, slots, starts
-        present = torch.zeros((tiles * block_m, width), dtype=torch.bool, device=device)
-        present[: rows.numel()] = table[rows, lo:hi] >= 0
-        used = present.view(tiles, block_m, width).any(1)
-        offsets = (torch.argsort((~used).to(torch.int8), dim=1, stable=True) + lo).to(torch.int32).contiguous()
+        # The visited rows' sources, padded with "none" to whole tiles: the lists and the slots both read it.
         padded = torch.full((tiles * block_m, width), -1, dtype=torch.int32, device=device)
         padded[: rows.numel()] = table[rows, lo:hi]
+        used = (padded >= 0).view(tiles, block_m, width).any(1)
+        offsets = (torch.argsort((~used).to(torch.int8), dim=1, stable=True) + lo).to(torch.int32).contiguous()
         # (tiles, list slot, row in tile): the source row of each visited row through the listed offset
         per_tile = padded.view(tiles, block_m, width).gather(
             2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
