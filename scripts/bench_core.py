@@ -13,8 +13,6 @@ against the naive one (and against spconv where the weight layouts can be matche
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -134,6 +132,8 @@ def stage_rows(device: torch.device, scenes: list[str], channels: int, repeats: 
     """Where a new map's host time goes: each step of a fresh subm3 map (cumulative, as a pass
     builds it), a fresh conv and the same conv with its map kept; host ms until the call returns
     and wall ms after a sync (the tuner's choice is made before timing)."""
+    from bench_network import timed  # the whole-network script's timer (host ms, and wall ms after a sync)
+
     rows = []
     for scene in scenes:
         coords, _ = make_scene(scene, batch_size=2)
@@ -159,21 +159,9 @@ def stage_rows(device: torch.device, scenes: list[str], channels: int, repeats: 
             "conv, map kept": lambda: sparse_conv3d(kept, weight),
         }
         for what, fn in steps.items():
-            for _ in range(3):
-                fn()
-            hosts, walls = [], []
-            for _ in range(repeats):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                fn()
-                issued = time.perf_counter()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                hosts.append(issued - start)
-                walls.append(time.perf_counter() - start)
-            rows.append([scene, f"{len(coords)}", what, f"{1e3 * statistics.median(hosts):.3f}",
-                         f"{1e3 * statistics.median(walls):.3f}"])
+            fn(), fn()  # with timed's own, three warm-up calls
+            wall_ms, host_ms = timed(fn, device, repeats)
+            rows.append([scene, f"{len(coords)}", what, f"{host_ms:.3f}", f"{wall_ms:.3f}"])
     return rows
 
 
