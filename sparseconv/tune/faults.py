@@ -46,15 +46,20 @@ def time_limit_ms(reference_ms: float) -> float:
 
 
 def first_line(error: BaseException) -> str:
-    """``Type: first non-blank line`` of ``error``'s message (at most 300 characters).
+    """``Type: first non-blank line`` of ``error``'s message (at most 300 characters)."""
+    line = message_line(error)
+    return f"{type(error).__name__}: {line}"[:300] if line else type(error).__name__
+
+
+def message_line(error: BaseException) -> str:
+    """The first non-blank line of ``error``'s message ("" if none).
 
     Triton's CompilationError starts with the source location and keeps the cause in
     ``error_message``, which is the more useful line."""
     text = getattr(error, "error_message", None)
     if not isinstance(text, str) or not text.strip():
         text = str(error)
-    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
-    return f"{type(error).__name__}: {line}"[:300] if line else type(error).__name__
+    return next((part.strip() for part in text.splitlines() if part.strip()), "")
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from ..coords.kernel_map import KernelMap
 from ..ops.backends import registry
 from ..ops.problem import ConvProblem
+from . import faults
 from .configs import Candidate
 
 logger = logging.getLogger("sparseconv.tune")
@@ -44,8 +45,7 @@ def precompile(
             if error is None:
                 continue
             # Compiler errors carry pages of IR or a reproducer: its first line says enough.
-            first = next((line for line in str(error).splitlines() if line.strip()), "")
-            reason = f"{type(error).__name__} while compiling: {first}"[:300]
+            reason = f"{type(error).__name__} while compiling: {faults.message_line(error)}"[:300]
             logger.info("sparseconv: %s disqualified for %s: %s", candidate.id, namespace, reason)
             failed[candidate.id] = {"backend": candidate.backend, "params": list(map(list, candidate.params)),
                                     "version": backend.version, "ms": None, "samples": 0, "verdict": "failed",
