@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ops.backends import registry
+from . import shipped
 from .cache import TuneCache
 from .configs import Candidate
 from .key import TuneKey
@@ -203,10 +204,15 @@ class CostModel:
 _MODELS: weakref.WeakKeyDictionary[TuneCache, dict[str, tuple[tuple, CostModel]]] = weakref.WeakKeyDictionary()
 
 
-def model_of(cache: TuneCache, namespace: str) -> CostModel:
-    """The model of ``namespace`` fitted on ``cache`` with the registered backends' versions;
-    refitted when the namespace's entries or the versions have changed since the last fit."""
+def model_of(cache: TuneCache, namespace: str, device: str | None = None) -> CostModel:
+    """The model of ``namespace`` fitted on ``cache`` (and, with ``device``, the shipped tunings of
+    that device beneath it) with the registered backends' versions; refitted when the entries or
+    the versions have changed since the last fit."""
     entries = cache.items(namespace)
+    if device is not None:
+        own = {key for _, key, _ in entries}
+        entries += [(ns, key, entry) for (ns, key), entry in shipped.entries_for(device).items()
+                    if ns == namespace and key not in own]
     versions = {name: registry.get(name).version for name in registry.names()}
     signature = (len(entries), max((e.get("updated", 0) for _, _, e in entries), default=0),
                  tuple(sorted(versions.items())))
@@ -220,10 +226,17 @@ def model_of(cache: TuneCache, namespace: str) -> CostModel:
 def predicted(cache: TuneCache, namespace: str, key: TuneKey, pool: Sequence[Candidate]) -> dict[str, float] | None:
     """Predicted ms of the pool's candidates the model knows, or None while it has fewer than
     MIN_KEYS keys of this namespace, device and dtype."""
-    model = model_of(cache, namespace)
+    model = model_of(cache, namespace, key.device)
     if model.keys(namespace, key.device, key.dtype) < MIN_KEYS:
         return None
     return model.predict(namespace, key.encode(), [c.id for c in pool])
+
+
+def unknown(cache: TuneCache, namespace: str, key: TuneKey, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Those of ``candidates`` the model cannot predict at ``key`` (too few timings of theirs);
+    all of them while the model has too little data to predict at all."""
+    costs = predicted(cache, namespace, key, candidates)
+    return [c for c in candidates if c.id not in costs] if costs is not None else list(candidates)
 
 
 def ranked(cache: TuneCache, namespace: str, key: TuneKey, pool: Sequence[Candidate]) -> list[Candidate]:

@@ -131,8 +131,15 @@ class Tuner:
             return timing if timing is not None and timing.get("version") == registry.get(c.backend).version else None
 
         fresh: list[Candidate] = []
+        passed = lambda: any((current(c) or {}).get("verdict") == "ok" for c in pool)  # noqa: E731
         if effort != "none":
             missing = [c for c in pool if current(c) is None]
+            stale = [c for c in missing if c.id in timings]  # timed, by another version of its backend
+            if missing and not stale and effort == "quick" and passed():
+                # A recorded decision (this cache's or the shipped one's) stands under quick while its
+                # backends are unchanged: only candidates the cost model knows nothing of are timed,
+                # not the picks of a model refitted on more data since.
+                missing = prior.unknown(self.cache, namespace, key, missing)
             if missing:
                 other = claim(namespace, encoded)
                 if other is not None:
@@ -140,7 +147,6 @@ class Tuner:
                     # or the pool's first until it is published; never wait on another rank.
                     return _adopt(other, pool, pool[0]) if other else _Provisional(pool[0])
                 refuse_tuning_in_trace(namespace, encoded, a)
-            passed = lambda: any((current(c) or {}).get("verdict") == "ok" for c in pool)  # noqa: E731
             # The cost model's top picks first (effort quick), the rest only if none of them passed.
             for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
                 done = dict(timings)

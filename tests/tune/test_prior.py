@@ -186,6 +186,50 @@ def test_the_tuner_times_only_the_models_top_picks_under_quick(monkeypatch, effo
     assert record[FWD] in {f"fake_speeds[level={i}]" for i in timed}
 
 
+@pytest.mark.parametrize("effort", ["quick", "full"])
+def test_a_recorded_decision_stands_under_quick_when_a_refitted_model_ranks_others_first(monkeypatch, effort):
+    calls = Calls()
+    with registered(_speeds(calls)):
+        _seed_cache()
+        _conv(fwd_algo=["fake_speeds"])
+        cache = sparseconv.tune.get_tuner().cache
+        ((key, stored),) = [(k, e) for _, k, e in cache.items(FWD) if len(e["timings"]) < 6]  # the conv's key
+        # As a process with other data would have decided it: level 4 alone timed (and passed).
+        cache.put(FWD, key, {**stored, "timings": {"fake_speeds[level=4]": stored["timings"]["fake_speeds[level=0]"]},
+                             "winner": "fake_speeds[level=4]"})
+        sparseconv.tune.reset()
+        calls.counts.clear()
+        monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", effort)
+        record = _conv(fwd_algo=["fake_speeds"])
+    timed = {i for i in range(6) if calls.of(f"fake_speeds[{i}]")}
+    if effort == "quick":
+        assert record[FWD] == "fake_speeds[level=4]" and sum(calls.counts.values()) == 1  # the run: nothing timed
+    else:
+        assert timed >= {0, 1, 2, 3, 5}  # full times every candidate the entry lacks
+
+
+def test_the_model_is_fitted_on_the_shipped_tunings_beneath_an_empty_cache(monkeypatch, tmp_path):
+    from sparseconv.tune import shipped
+
+    calls = Calls()
+    with registered(_speeds(calls)):
+        _seed_cache()
+        cache = sparseconv.tune.get_tuner().cache
+        folder = tmp_path / "shipped"
+        folder.mkdir()
+        shipped.write(folder / shipped.device_file_name(device_identity(torch.device("cpu"))),
+                      {(ns, key): entry for ns, key, entry in cache.items()})
+        cache.path.unlink()
+        monkeypatch.setenv("SPARSECONV_CACHE_DIR", str(tmp_path / "empty-cache"))
+        monkeypatch.setattr(shipped, "data_dir", lambda: folder)
+        monkeypatch.setenv("SPARSECONV_SHIPPED_TUNINGS", "1")
+        sparseconv.tune.reset()
+        assert sparseconv.tune.get_tuner().cache.items() == []
+        _conv(fwd_algo=["fake_speeds"])  # a key the shipped file does not hold
+    assert {i for i in range(6) if calls.of(f"fake_speeds[{i}]")} == {0, 1, 2}
+    shipped.forget()
+
+
 def test_the_tuner_times_the_rest_when_no_top_pick_passes(caplog):
     calls = Calls()
     with registered(_speeds(calls, wrong=frozenset({0, 1, 2}))), caplog.at_level(logging.INFO, "sparseconv.tune"):
