@@ -50,7 +50,10 @@ def _define() -> SimpleNamespace:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Row counts, list lengths and view offsets change with every point cloud: not specialised on
+    # (Triton would compile a second binary whenever one turns divisible by 16), channels and
+    # strides are, since vector loads need them.
+    @triton.jit(do_not_specialize=["n_rows", "list_len"])
     def rows_gemm(
         a_ptr, w_ptr, slots_ptr, start_ptr, rows_ptr, active_ptr, count_ptr, out_ptr,
         n_rows, reduce_dim, out_dim, list_len,
@@ -170,7 +173,7 @@ def _define() -> SimpleNamespace:
         else:
             tl.store(target, acc, mask=rm_ok[:, None] & rn_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows", "lo", "width"])
     def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, lo, width,
                   BLOCK: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr):
         """out[i] = the bitmask of the offsets ``lo + k`` present in row i, the rarest offset (fewest
@@ -192,7 +195,7 @@ def _define() -> SimpleNamespace:
         masks = tl.sum(weight, axis=1)  # distinct powers of two: the sum is the OR
         tl.store(out_ptr + r, masks.to(out_ptr.dtype.element_ty), mask=r < rows)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows", "lo", "width"])
     def tile_plan(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, rows, row_stride, lo, width,
                   BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
         """One tile of BLOCK_M visited rows: which offsets of [lo, lo + width) it uses, their list
