@@ -43,15 +43,19 @@ def range_violation_of(lo: list[int], hi: list[int]) -> str | None:
 
 
 def pack_coords(coords: torch.Tensor) -> torch.Tensor:
-    """coords: (N, 4) integer [batch, x, y, z], already range-checked -> (N,) int64 keys."""
-    c = coords.to(torch.int64)
-    bias = -COORD_MIN
-    return (
-        (c[:, 0] << (3 * COORD_BITS))
-        | ((c[:, 1] + bias) << (2 * COORD_BITS))
-        | ((c[:, 2] + bias) << COORD_BITS)
-        | (c[:, 3] + bias)
-    )
+    """coords: (N, 4) integer [batch, x, y, z], already range-checked -> (N,) int64 keys.
+
+    The fields do not overlap, so shifting each into place is multiplying by its power of two and
+    or-ing them is summing: three torch ops (a new coordinate set's host time) instead of eleven."""
+    shifts, bias = _packing(coords.device)
+    return torch.mul(coords, shifts).sum(1).add_(bias)
+
+
+@functools.cache
+def _packing(device: torch.device) -> tuple[torch.Tensor, int]:
+    """(the (4,) int64 multipliers of [batch, x, y, z], the packed key of the bias -COORD_MIN on x, y, z)."""
+    shifts = [1 << (3 * COORD_BITS), 1 << (2 * COORD_BITS), 1 << COORD_BITS, 1]
+    return torch.tensor(shifts, dtype=torch.int64, device=device), -COORD_MIN * sum(shifts[1:])
 
 
 def unpack_keys(keys: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,31 @@ def test_batch_norm_and_sync_batch_norm_equal_batchnorm1d_over_all_voxels():
     torch.testing.assert_close(sync(x).feats, theirs(x.feats))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_batch_norm_inference_equals_batchnorm1d_and_follows_changed_statistics(device, dtype):
+    x = _batch(device)
+    x = x.replace(x.feats.to(dtype))
+    ours = _randomise_affine(BatchNorm(8, device=device, dtype=torch.float64))
+    with torch.no_grad():
+        ours.running_mean.uniform_(-1, 1)
+        ours.running_var.uniform_(0.5, 2)
+    ours = ours.to(dtype).eval()
+    theirs = torch.nn.BatchNorm1d(8, device=device, dtype=dtype).eval()
+    theirs.load_state_dict(ours.state_dict())
+    tolerance = {} if dtype == torch.float64 else dict(atol=4e-3, rtol=4e-3)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).feats, theirs(x.feats), **tolerance)
+        # Statistics and parameters changed in place (an optimiser step, load_state_dict): followed.
+        ours.running_var.mul_(3)
+        ours.weight.add_(1)
+        theirs.load_state_dict(ours.state_dict())
+        torch.testing.assert_close(ours(x).feats, theirs(x.feats), **tolerance)
+    # With autograd on (eval-mode fine-tuning) torch's path runs: gradients reach weight and bias.
+    ours(x.replace(x.feats.requires_grad_())).feats.float().sum().backward()
+    assert ours.weight.grad is not None and ours.bias.grad is not None
+
+
 def test_convert_sync_batchnorm_replaces_sparse_batch_norms_and_keeps_their_state():
     norm = _randomise_affine(BatchNorm(4, dtype=torch.float64))
     net = Sequential(SparseConv3d(8, 4, 3, dtype=torch.float64), norm, ReLU())
