@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Sequence
 
 from ..coords.kernel_map import KernelMap
@@ -23,6 +24,10 @@ from .configs import Candidate
 logger = logging.getLogger("sparseconv.tune")
 
 MAX_THREADS = 16
+
+_background: concurrent.futures.ThreadPoolExecutor | None = None
+_background_lock = threading.Lock()
+_pending: set[concurrent.futures.Future] = set()
 
 
 def precompile(
@@ -51,3 +56,39 @@ def precompile(
                                     "version": backend.version, "ms": None, "samples": 0, "verdict": "failed",
                                     "reason": reason}
     return failed
+
+
+def in_background(namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> None:
+    """Run ``candidate``'s ``precompile`` hook on a process-wide thread pool and return at once
+    (:meth:`Tuner.prepare`). A hook that fails is logged at debug level: the run that follows
+    compiles it again and reports the error where it belongs."""
+    backend = registry.get(candidate.backend)
+    if backend.precompile is None:
+        return
+    global _background
+    with _background_lock:
+        if _background is None:
+            _background = concurrent.futures.ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="sparseconv-prepare")
+        future = _background.submit(_quietly, backend.precompile, namespace, problem, candidate, kernel_map)
+        _pending.add(future)
+    future.add_done_callback(_done)
+
+
+def settle(timeout: float | None = None) -> None:
+    """Wait until the background compiles submitted so far have finished (tests, tools)."""
+    with _background_lock:
+        pending = list(_pending)
+    concurrent.futures.wait(pending, timeout)
+
+
+def _done(future: concurrent.futures.Future) -> None:
+    with _background_lock:
+        _pending.discard(future)
+
+
+def _quietly(hook, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> None:
+    try:
+        hook(namespace, problem, candidate.params_dict, kernel_map)
+    except Exception as error:  # noqa: BLE001 - the run reports it; a background compile must not
+        logger.debug("sparseconv: background compile of %s for %s failed: %s", candidate.id, namespace,
+                     faults.message_line(error))
