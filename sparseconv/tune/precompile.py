@@ -58,13 +58,14 @@ def precompile(
     return failed
 
 
-def in_background(namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> None:
-    """Run ``candidate``'s ``precompile`` hook on a process-wide thread pool and return at once
-    (:meth:`Tuner.prepare`). A hook that fails is logged at debug level: the run that follows
-    compiles it again and reports the error where it belongs."""
+def in_background(namespace: str, problem: ConvProblem, candidate: Candidate,
+                  kernel_map: KernelMap) -> concurrent.futures.Future | None:
+    """Run ``candidate``'s ``precompile`` hook on a process-wide thread pool and return its future
+    at once, or None without a hook (:meth:`Tuner.prepare`). A hook that fails is logged at debug
+    level: the run that follows compiles it again and reports the error where it belongs."""
     backend = registry.get(candidate.backend)
     if backend.precompile is None:
-        return
+        return None
     global _background
     with _background_lock:
         if _background is None:
@@ -72,6 +73,7 @@ def in_background(namespace: str, problem: ConvProblem, candidate: Candidate, ke
         future = _background.submit(_quietly, backend.precompile, namespace, problem, candidate, kernel_map)
         _pending.add(future)
     future.add_done_callback(_done)
+    return future
 
 
 def settle(timeout: float | None = None) -> None:

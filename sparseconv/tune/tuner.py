@@ -9,6 +9,7 @@ the other ranks, remembers the choice for the process and stores every timing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import sys
 import threading
@@ -42,6 +43,7 @@ class Tuner:
         self._cache = cache
         self._choices: dict[tuple, tuple[Candidate, registry.Backend]] = {}
         self._prepared: set[tuple] = set()  # memos whose kernels prepare() has sent to compile
+        self._compiling: dict[tuple, tuple[str, concurrent.futures.Future]] = {}  # memo -> (candidate id, its compile)
         self._lock = threading.Lock()
         self._reported: set[str] = set()  # candidates whose failure was logged as a warning
 
@@ -94,6 +96,11 @@ class Tuner:
                         candidate = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map)
                     if isinstance(candidate, _Provisional):
                         return candidate.candidate, registry.get(candidate.candidate.backend)
+                    compiling = self._compiling.pop(memo, None)
+                    if compiling is not None and compiling[0] == candidate.id:
+                        # Its compile started earlier on the background pool: wait for it rather
+                        # than have the launch compile the same kernel a second time beside it.
+                        concurrent.futures.wait([compiling[1]])
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
         return choice
 
@@ -121,7 +128,9 @@ class Tuner:
                 return  # to be timed: its sweep compiles the pool in parallel anyway
             winner = pick(timings, [c.id for c in pool])
             pool = [c for c in pool if c.id == winner]
-        in_background(namespace, problem, pool[0], kernel_map)
+        future = in_background(namespace, problem, pool[0], kernel_map)
+        if future is not None:
+            self._compiling[memo] = (pool[0].id, future)
 
     def _decide(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -117,6 +118,27 @@ def test_a_training_forward_compiles_its_backwards_choice_in_the_background(pin)
         settle(timeout=20)
     assert record[DGRAD] == f"fake_compiled[level={compiled[0]}]"  # what was compiled is what runs
     assert sum(calls.of(f"compile[{i}]", DGRAD) for i in range(LEVELS)) == 1  # once per choice, not per call
+
+
+def test_the_backward_waits_for_its_background_compile_instead_of_compiling_beside_it():
+    events: list[str] = []
+    compiled = threading.Event()
+
+    def precompile(namespace, problem, params, kernel_map):
+        if namespace == DGRAD:
+            time.sleep(0.3)  # a compile still running when the backward starts
+            events.append("compiled")
+            compiled.set()
+
+    def run(namespace, problem, params, a, b, kernel_map):
+        if namespace == DGRAD:
+            events.append("run")
+        return explicit.run(namespace, problem, params, a, b, kernel_map)
+
+    coords = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200).coords
+    with registered(Backend("fake_compiled", frozenset({FWD, DGRAD}), run, precompile=precompile)):
+        _train_forward(coords, dgrad_algo="fake_compiled").feats.sum().backward()
+    assert events == ["compiled", "run"] and compiled.is_set()
 
 
 def test_an_untuned_backward_is_not_compiled_ahead():
