@@ -141,6 +141,22 @@ def test_the_backward_waits_for_its_background_compile_instead_of_compiling_besi
     assert events == ["compiled", "run"] and compiled.is_set()
 
 
+def test_the_newest_background_job_runs_first():
+    """A forward queues its layers' backward kernels first to last; the backward needs the last first."""
+    import concurrent.futures
+
+    from sparseconv.tune import precompile as background
+    from sparseconv.tune.configs import Candidate
+
+    order = []
+    jobs = [(concurrent.futures.Future(), lambda ns, problem, params, m, i=i: order.append(i), DGRAD, None,
+             Candidate("explicit_gemm"), None) for i in range(3)]
+    background._jobs.extend(jobs)
+    for _ in jobs:
+        background._run_newest()
+    assert order == [2, 1, 0] and all(job[0].done() for job in jobs)
+
+
 def test_an_untuned_backward_is_not_compiled_ahead():
     from sparseconv.tune.precompile import settle
 
