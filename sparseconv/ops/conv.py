@@ -12,7 +12,7 @@ from torch.autograd.function import once_differentiable
 from .._args import triple
 from ..coords.kernel_map import KernelMap, KernelMapKey
 from ..tensor import SparseTensor
-from .dispatch import Pin, check_algo, dispatch, prepare
+from .dispatch import Pin, check_algo, dispatch
 from .problem import ConvProblem
 
 
@@ -44,13 +44,7 @@ class SparseConvFunction(torch.autograd.Function):
     def forward(ctx, feats, weight, kernel_map: KernelMap, problem: ConvProblem, pins: AlgoPins, record):
         ctx.save_for_backward(feats, weight)
         ctx.kernel_map, ctx.problem, ctx.pins, ctx.record = kernel_map, problem, pins, record
-        out = dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map, record)
-        # The backward's kernels compile while the forward goes on (the first training step's).
-        if ctx.needs_input_grad[0]:
-            prepare("ABt_gather_scatter", problem, pins.dgrad, kernel_map)
-        if ctx.needs_input_grad[1]:
-            prepare("AtB_gather_gather", problem, pins.wgrad, kernel_map)
-        return out
+        return dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map, record)
 
     @staticmethod
     @once_differentiable

@@ -26,11 +26,6 @@ Runner = Callable[[str, ConvProblem, Pin, torch.Tensor, torch.Tensor, KernelMap,
 
 _runner: Runner | None = None
 
-Preparer = Callable[[str, ConvProblem, Pin, KernelMap], None]
-"""preparer(namespace, problem, pin, kernel_map): get ready to run that product soon (see :func:`prepare`)."""
-
-_preparer: Preparer | None = None
-
 
 def set_runner(runner: Runner | None) -> Runner | None:
     """Make ``runner`` run every product from now on; returns the one it replaces.
@@ -40,13 +35,6 @@ def set_runner(runner: Runner | None) -> Runner | None:
     """
     global _runner
     previous, _runner = _runner, runner
-    return previous
-
-
-def set_preparer(preparer: Preparer | None) -> Preparer | None:
-    """Make ``preparer`` receive :func:`prepare`'s calls; returns the one it replaces."""
-    global _preparer
-    previous, _preparer = _preparer, preparer
     return previous
 
 
@@ -74,13 +62,6 @@ def dispatch(
     """Run product ``namespace`` of ``problem`` with the algorithm the pin or the tuner picks."""
     runner = _runner if _runner is not None else _load_runner()
     return runner(namespace, problem, algo, a, b, kernel_map, record)
-
-
-def prepare(namespace: str, problem: ConvProblem, algo: Pin, kernel_map: KernelMap) -> None:
-    """Say that product ``namespace`` of ``problem`` will run soon (a training forward announces
-    its backward), so the runner can compile its kernels meanwhile; a no-op without a preparer."""
-    if _preparer is not None:
-        _preparer(namespace, problem, algo, kernel_map)
 
 
 def _load_runner() -> Runner:

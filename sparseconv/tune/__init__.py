@@ -52,13 +52,7 @@ def run(
     return get_tuner().run(namespace, problem, pin, a, b, kernel_map, record)
 
 
-def prepare(namespace: str, problem: ConvProblem, pin: _dispatch.Pin, kernel_map: KernelMap) -> None:
-    """Compile ahead what product ``namespace`` of ``problem`` will run (the ops preparer)."""
-    get_tuner().prepare(namespace, problem, pin, kernel_map)
-
-
 _dispatch.set_runner(run)
-_dispatch.set_preparer(prepare)
 _registry.set_inner_tuner(autotune)
 
 

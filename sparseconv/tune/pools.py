@@ -12,15 +12,12 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 from .. import config
 from ..ops.backends import registry
 from ..ops.backends.algos import DEFAULT_MODE, LEVELS, AlgoMode, checked_mode, parse_mode
 from ..ops.problem import PIN_ARGUMENT, ConvProblem
-from ..coords.kernel_map import KernelMap
 from .configs import Candidate
-from .key import TuneKey, make_key
 
 logger = logging.getLogger("sparseconv.tune")
 
@@ -104,27 +101,3 @@ def _deterministic_params(
         warnings.warn(message + "; running it anyway, as torch's warn_only=True asks", stacklevel=2)
         return params_list
     raise ValueError(message)
-
-
-class ChoiceMemo(NamedTuple):
-    """How a product is chosen; ``memo`` names its choice for the process."""
-
-    mode: AlgoMode
-    effort: str
-    deterministic: bool
-    key: TuneKey | None  # None for a single-name mode
-    memo: tuple
-
-
-def choice_memo(namespace: str, problem: ConvProblem, pin, kernel_map: KernelMap) -> ChoiceMemo:
-    mode = resolve_mode(namespace, pin)
-    deterministic = config.deterministic()  # in the key and memo: its choices are never the others'
-    if mode.single:
-        # A named backend's candidate depends on the problem only, never on the map's density.
-        return ChoiceMemo(mode, "quick", deterministic, None, (namespace, problem, mode.names, deterministic))
-    effort = config.autotune_effort()
-    # The key is a function of the map and the problem: kept with the map, so the hot path (every
-    # conv call) hashes it instead of rebuilding it.
-    key = kernel_map.derived(("tune_key", namespace, problem, deterministic),
-                             lambda m: make_key(namespace, problem, m, deterministic))
-    return ChoiceMemo(mode, effort, deterministic, key, (key, mode.level, mode.names, effort))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 from collections.abc import Sequence
 
 from ..coords.kernel_map import KernelMap
@@ -24,11 +23,6 @@ from .configs import Candidate
 logger = logging.getLogger("sparseconv.tune")
 
 MAX_THREADS = 16
-
-_background: concurrent.futures.ThreadPoolExecutor | None = None
-_background_lock = threading.Lock()
-_jobs: list[tuple] = []  # (future, hook, namespace, problem, candidate, kernel_map), newest last
-_running: set[concurrent.futures.Future] = set()
 
 
 def precompile(
@@ -57,46 +51,3 @@ def precompile(
                                     "version": backend.version, "ms": None, "samples": 0, "verdict": "failed",
                                     "reason": reason}
     return failed
-
-
-def in_background(namespace: str, problem: ConvProblem, candidate: Candidate,
-                  kernel_map: KernelMap) -> concurrent.futures.Future | None:
-    """Queue ``candidate``'s ``precompile`` hook on a process-wide thread pool and return its future
-    at once, or None without a hook (:meth:`Tuner.prepare`). The newest job starts first: a forward
-    queues its layers' backward kernels in order, and the backward needs the last layer's first.
-    A hook that fails is logged at debug level: the run that follows compiles it again and reports
-    the error where it belongs."""
-    backend = registry.get(candidate.backend)
-    if backend.precompile is None:
-        return None
-    global _background
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    with _background_lock:
-        if _background is None:
-            _background = concurrent.futures.ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="sparseconv-prepare")
-        _jobs.append((future, backend.precompile, namespace, problem, candidate, kernel_map))
-        _background.submit(_run_newest)
-    return future
-
-
-def settle(timeout: float | None = None) -> None:
-    """Wait until the background compiles queued so far have finished (tests, tools)."""
-    with _background_lock:
-        pending = [job[0] for job in _jobs] + list(_running)
-    concurrent.futures.wait(pending, timeout)
-
-
-def _run_newest() -> None:
-    """One pool task: run the newest queued job (one task is submitted per job)."""
-    with _background_lock:
-        future, hook, namespace, problem, candidate, kernel_map = _jobs.pop()
-        _running.add(future)
-    try:
-        hook(namespace, problem, candidate.params_dict, kernel_map)
-    except Exception as error:  # noqa: BLE001 - the run reports it; a background compile must not
-        logger.debug("sparseconv: background compile of %s for %s failed: %s", candidate.id, namespace,
-                     faults.message_line(error))
-    finally:
-        with _background_lock:
-            _running.discard(future)
-        future.set_result(None)

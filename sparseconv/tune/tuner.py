@@ -9,7 +9,6 @@ the other ranks, remembers the choice for the process and stores every timing.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import sys
 import threading
@@ -29,9 +28,9 @@ from .cache import TuneCache
 from .configs import Candidate
 from .distributed import agree, claim
 from .guard import check_output
-from .key import TuneKey
-from .pools import FALLBACK, AlgoMode, candidate_pool, choice_memo
-from .precompile import in_background, precompile
+from .key import TuneKey, make_key
+from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
+from .precompile import precompile
 from .timing import CLOSE, Timer, TooSlow
 
 logger = logging.getLogger("sparseconv.tune")
@@ -42,8 +41,6 @@ class Tuner:
     def __init__(self, cache: TuneCache | None = None) -> None:
         self._cache = cache
         self._choices: dict[tuple, tuple[Candidate, registry.Backend]] = {}
-        self._prepared: set[tuple] = set()  # memos whose kernels prepare() has sent to compile
-        self._compiling: dict[tuple, tuple[str, concurrent.futures.Future]] = {}  # memo -> (candidate id, its compile)
         self._lock = threading.Lock()
         self._reported: set[str] = set()  # candidates whose failure was logged as a warning
 
@@ -84,7 +81,19 @@ class Tuner:
         Decided once per (problem or key, mode, effort) and then remembered for the process: a
         small layer's call costs a few µs of host time here, not a pool build or a key hash.
         """
-        mode, effort, deterministic, key, memo = choice_memo(namespace, problem, pin, kernel_map)
+        mode = resolve_mode(namespace, pin)
+        deterministic = config.deterministic()  # in the key and memo: its choices are never the others'
+        if mode.single:
+            # A named backend's candidate depends on the problem only, never on the map's density.
+            memo: tuple = (namespace, problem, mode.names, deterministic)
+            effort = "quick"
+        else:
+            effort = config.autotune_effort()
+            # The key is a function of the map and the problem: keep it with the map, so the hot
+            # path (every conv call) hashes it instead of rebuilding it.
+            key = kernel_map.derived(("tune_key", namespace, problem, deterministic),
+                                     lambda m: make_key(namespace, problem, m, deterministic))
+            memo = (key, mode.level, mode.names, effort)
         choice = self._choices.get(memo)
         if choice is None or not _current(choice):
             with self._lock:
@@ -96,41 +105,8 @@ class Tuner:
                         candidate = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map)
                     if isinstance(candidate, _Provisional):
                         return candidate.candidate, registry.get(candidate.candidate.backend)
-                    compiling = self._compiling.pop(memo, None)
-                    if compiling is not None and compiling[0] == candidate.id:
-                        # Its compile started earlier on the background pool: wait for it rather
-                        # than have the launch compile the same kernel a second time beside it.
-                        concurrent.futures.wait([compiling[1]])
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
         return choice
-
-    def prepare(self, namespace: str, problem: ConvProblem, pin: str | Sequence[str] | None,
-                kernel_map: KernelMap) -> None:
-        """Start compiling, in the background, the kernels ``namespace`` of ``problem`` will run, if
-        its choice is known without timing (a pin, or a decision the cache records): a training
-        forward prepares its backward, whose kernels then compile side by side while the forward
-        goes on instead of one after the other as the backward reaches each layer. Once per memo."""
-        mode, effort, deterministic, key, memo = choice_memo(namespace, problem, pin, kernel_map)
-        if memo in self._choices or memo in self._prepared or torch.compiler.is_compiling():
-            return
-        if problem.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return  # loading a module could break the capture; the choice must be made before it anyway
-        self._prepared.add(memo)
-        if mode.single and registry.get(mode.names[0]).precompile is None:
-            return  # nothing to compile ahead (torch backends)
-        pool = candidate_pool(namespace, problem, mode, effort, deterministic)
-        if not mode.single:
-            # What _decide will pick when it times nothing: the fastest current, passing timing.
-            timings = (self.cache.get(namespace, key.encode()) or {}).get("timings", {})
-            pool = [c for c in pool if (t := timings.get(c.id)) is not None and t.get("verdict") == "ok"
-                    and t.get("version") == registry.get(c.backend).version]
-            if not pool:
-                return  # to be timed: its sweep compiles the pool in parallel anyway
-            winner = pick(timings, [c.id for c in pool])
-            pool = [c for c in pool if c.id == winner]
-        future = in_background(namespace, problem, pool[0], kernel_map)
-        if future is not None:
-            self._compiling[memo] = (pool[0].id, future)
 
     def _decide(
         self,

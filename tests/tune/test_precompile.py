@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 import torch
@@ -13,12 +12,10 @@ from conv_cases import MODES, make_input
 from fakes import Calls, registered
 
 import sparseconv.tune
-from sparseconv import SparseTensor
 from sparseconv.ops import sparse_conv3d
 from sparseconv.ops.backends import Backend, explicit
 
 FWD = "AB_gather_scatter"
-DGRAD = "ABt_gather_scatter"
 LEVELS = 4
 
 
@@ -86,87 +83,6 @@ def test_backends_without_a_hook_are_timed_as_before():
         _conv()
     assert sum(calls.of(f"compile[{i}]") for i in range(LEVELS)) == 0
     assert all(calls.of(f"run[{i}]") >= 1 for i in range(LEVELS))
-
-
-def _train_forward(coords: torch.Tensor, record: dict | None = None, **pins):
-    """A training forward (no backward yet) of one conv on a new tensor of ``coords``; its output."""
-    x = SparseTensor(coords, torch.randn(len(coords), 4, requires_grad=True))
-    weight = torch.randn(27, 4, 5, requires_grad=True)
-    return sparse_conv3d(x, weight, fwd_algo="explicit_gemm", record=record, **pins)
-
-
-@pytest.mark.parametrize("pin", ["fake_compiled", ["fake_compiled"]], ids=["named", "tuned"])
-def test_a_training_forward_compiles_its_backwards_choice_in_the_background(pin):
-    from sparseconv.tune.precompile import settle
-
-    calls = Calls()
-    backend = _compiling(calls)
-    everywhere = Backend(backend.name, frozenset({FWD, DGRAD}), backend.run, params_space=backend.params_space,
-                         precompile=backend.precompile)
-    coords = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200).coords
-    with registered(everywhere):
-        _train_forward(coords, dgrad_algo=pin).feats.sum().backward()  # tunes the dgrad (a list pin), cached
-        sparseconv.tune.reset()  # a new process: the cache file holds the decision
-        calls.counts.clear()
-        out = _train_forward(coords, dgrad_algo=pin)
-        settle(timeout=20)
-        compiled = [i for i in range(LEVELS) if calls.of(f"compile[{i}]", DGRAD)]
-        assert len(compiled) == 1 and not any(calls.of(f"run[{i}]", DGRAD) for i in range(LEVELS))
-        record: dict = {}
-        out.feats.sum().backward()
-        _train_forward(coords, record, dgrad_algo=pin).feats.sum().backward()  # new maps, same choice
-        settle(timeout=20)
-    assert record[DGRAD] == f"fake_compiled[level={compiled[0]}]"  # what was compiled is what runs
-    assert sum(calls.of(f"compile[{i}]", DGRAD) for i in range(LEVELS)) == 1  # once per choice, not per call
-
-
-def test_the_backward_waits_for_its_background_compile_instead_of_compiling_beside_it():
-    events: list[str] = []
-    compiled = threading.Event()
-
-    def precompile(namespace, problem, params, kernel_map):
-        if namespace == DGRAD:
-            time.sleep(0.3)  # a compile still running when the backward starts
-            events.append("compiled")
-            compiled.set()
-
-    def run(namespace, problem, params, a, b, kernel_map):
-        if namespace == DGRAD:
-            events.append("run")
-        return explicit.run(namespace, problem, params, a, b, kernel_map)
-
-    coords = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200).coords
-    with registered(Backend("fake_compiled", frozenset({FWD, DGRAD}), run, precompile=precompile)):
-        _train_forward(coords, dgrad_algo="fake_compiled").feats.sum().backward()
-    assert events == ["compiled", "run"] and compiled.is_set()
-
-
-def test_the_newest_background_job_runs_first():
-    """A forward queues its layers' backward kernels first to last; the backward needs the last first."""
-    import concurrent.futures
-
-    from sparseconv.tune import precompile as background
-    from sparseconv.tune.configs import Candidate
-
-    order = []
-    jobs = [(concurrent.futures.Future(), lambda ns, problem, params, m, i=i: order.append(i), DGRAD, None,
-             Candidate("explicit_gemm"), None) for i in range(3)]
-    background._jobs.extend(jobs)
-    for _ in jobs:
-        background._run_newest()
-    assert order == [2, 1, 0] and all(job[0].done() for job in jobs)
-
-
-def test_an_untuned_backward_is_not_compiled_ahead():
-    from sparseconv.tune.precompile import settle
-
-    calls = Calls()
-    backend = _compiling(calls)
-    with registered(Backend(backend.name, frozenset({FWD, DGRAD}), backend.run, params_space=backend.params_space,
-                            precompile=backend.precompile)):
-        _train_forward(make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200).coords, dgrad_algo=["fake_compiled"])
-        settle(timeout=20)
-    assert sum(calls.of(f"compile[{i}]", DGRAD) for i in range(LEVELS)) == 0  # its sweep compiles it
 
 
 @pytest.mark.gpu
