@@ -11,12 +11,16 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import signal
 import sys
 import time
 
 
 def main(role: str, cache_dir: str, *args: str) -> None:
     os.environ["SPARSECONV_CACHE_DIR"] = cache_dir
+    # Python's own SIGINT handling, as in a terminal: a test run launched in the background by a
+    # non-interactive shell inherits SIGINT ignored, and the SIGINT test's worker would never stop.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO)  # the tuner's skip lines go to stderr, for a failing test to show
     import torch
 
