@@ -32,7 +32,7 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
         if self.training or torch.is_grad_enabled() or self.running_mean is None or self.running_var is None:
             return super().forward(input)
         feats = features_of(input, self)
-        check_channels(self, feats, "num_features")
+        check_channels(self, feats, self.channels_argument)
         scale, shift = self._affine(feats.dtype)
         return input.replace(torch.addcmul(shift, feats, scale))
 

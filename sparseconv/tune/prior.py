@@ -201,7 +201,8 @@ class CostModel:
 
 # ---------------------------------------------------------------- the tuner's use -------------
 
-_MODELS: weakref.WeakKeyDictionary[TuneCache, dict[str, tuple[tuple, CostModel]]] = weakref.WeakKeyDictionary()
+_MODELS: weakref.WeakKeyDictionary[TuneCache, dict[tuple[str, str | None], tuple[tuple, CostModel]]] = (
+    weakref.WeakKeyDictionary())
 
 
 def model_of(cache: TuneCache, namespace: str, device: str | None = None) -> CostModel:
@@ -217,9 +218,10 @@ def model_of(cache: TuneCache, namespace: str, device: str | None = None) -> Cos
     signature = (len(entries), max((e.get("updated", 0) for _, _, e in entries), default=0),
                  tuple(sorted(versions.items())))
     fitted = _MODELS.setdefault(cache, {})
-    held = fitted.get(namespace)
+    # Per device too: each device's fit holds its own shipped entries.
+    held = fitted.get((namespace, device))
     if held is None or held[0] != signature:
-        held = fitted[namespace] = (signature, CostModel.fit(entries, versions))
+        held = fitted[(namespace, device)] = (signature, CostModel.fit(entries, versions))
     return held[1]
 
 
