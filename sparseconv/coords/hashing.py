@@ -59,17 +59,20 @@ def _packing(device: torch.device) -> tuple[torch.Tensor, int]:
 
 
 def unpack_keys(keys: torch.Tensor) -> torch.Tensor:
-    """keys: (N,) int64 from :func:`pack_coords` -> (N, 4) int32 [batch, x, y, z]."""
+    """keys: (N,) int64 from :func:`pack_coords` -> (N, 4) int32 [batch, x, y, z].
+
+    Each field is a shift, a mask and a bias: one broadcast op each over the four columns (four
+    ops on a new coordinate set instead of thirteen)."""
+    shifts, fields, biases = _unpacking(keys.device)
+    return keys[:, None].bitwise_right_shift(shifts).bitwise_and_(fields).add_(biases).to(torch.int32)
+
+
+@functools.cache
+def _unpacking(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(shifts, field masks, biases), (4,) int64 each, of [batch, x, y, z] in a packed key."""
     field = (1 << COORD_BITS) - 1
-    return torch.stack(
-        [
-            keys >> (3 * COORD_BITS),
-            ((keys >> (2 * COORD_BITS)) & field) + COORD_MIN,
-            ((keys >> COORD_BITS) & field) + COORD_MIN,
-            (keys & field) + COORD_MIN,
-        ],
-        dim=1,
-    ).to(torch.int32)
+    values = ([3 * COORD_BITS, 2 * COORD_BITS, COORD_BITS, 0], [BATCH_MAX, field, field, field], [0, *[COORD_MIN] * 3])
+    return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in values)
 
 
 @functools.cache

@@ -59,7 +59,8 @@ class KernelMap:
 
     ``neighbors``: (N_out, K) int32, the input row feeding output row ``i`` through offset ``k``,
     or -1. ``identity_offset`` names an offset whose pairs are exactly ``(i, i)`` for every row
-    (the centre of an odd submanifold kernel): backends may run it as a plain matmul.
+    (the centre of an odd submanifold kernel): backends may run it as a plain matmul, and such a
+    map's offsets are symmetric about it (what :attr:`transposed_neighbors` relies on).
     Every view is built on the device without a host sync except :attr:`pair_counts` (one
     transfer of K integers), which the views needing pair counts on the host share.
     """
@@ -102,6 +103,11 @@ class KernelMap:
         """(N_in, K) int32: the output row that input row ``j`` feeds through offset ``k``, or -1 (the
         table dgrad walks). One scatter, no host sync: within an offset an input feeds at most one
         output, so only the spare row that absent neighbours are sent to sees colliding writes."""
+        if self.identity_offset is not None:
+            # Same coordinates on both sides and offsets symmetric about the centre (offset
+            # K-1-k is -delta_k): row j feeds row i through k exactly when i feeds j through
+            # K-1-k, so the transposed table is this one with its columns reversed (one op).
+            return self.neighbors.flip(1)
         num_out, volume = self.neighbors.shape
         table = torch.full((self.num_in + 1, volume), -1, dtype=torch.int32, device=self.neighbors.device)
         target = torch.where(self.neighbors >= 0, self.neighbors, self.num_in).long()
@@ -145,6 +151,13 @@ class KernelMap:
 
     @functools.cached_property
     def num_pairs(self) -> int:
+        """Total pairs: read from the map's own description where it says (every input, or every
+        output, in exactly one pair: a strided conv whose kernel equals its stride, its transpose),
+        which needs no host sync; else the sum of :attr:`pair_counts` (one sync per map)."""
+        if self.each_input_once:
+            return self.num_in
+        if self.each_output_once:
+            return self.num_out
         return sum(self.pair_counts)
 
     @functools.cached_property

@@ -151,6 +151,7 @@ def test_derived_views_equal_those_recomputed_on_the_cpu_from_the_neighbour_tabl
         return rows
 
     assert built.pair_counts == plain.pair_counts and sum(plain.pair_counts) > 0
+    assert built.num_pairs == sum(plain.pair_counts)
     for (got_in, got_out), (want_in, want_out) in zip(by_offset(built.pairs), by_offset(plain.pairs)):
         assert torch.equal(got_in, want_in) and torch.equal(got_out, want_out)
     in_idx, out_idx, ptr = plain.pairs
@@ -158,3 +159,17 @@ def test_derived_views_equal_those_recomputed_on_the_cpu_from_the_neighbour_tabl
     adjoint = torch.full((plain.num_in, plain.kernel_volume), -1, dtype=torch.int32)
     adjoint[in_idx, offset] = out_idx.to(torch.int32)
     assert torch.equal(built.transposed_neighbors.cpu(), adjoint)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_strided_map_and_its_transpose_know_their_pair_total_without_counting(device):
+    # The tuner's key reads num_pairs on every new map; for these two it is the row count of the
+    # side whose every row is in one pair, so the key needs no host sync. It must be the count.
+    coords = torch.cat([torch.randint(0, 2, (600, 1)), torch.randint(-9, 9, (600, 3))], 1).unique(dim=0).to(device)
+    x = SparseTensor(coords, torch.zeros(len(coords), 1, device=device))
+    down, coarse = x.cache.kernel_map(KernelMapKey(x.coord_id, (2, 2, 2), (2, 2, 2), (1, 1, 1), False, False))
+    up, _ = x.cache.kernel_map(KernelMapKey(coarse, (2, 2, 2), (2, 2, 2), (1, 1, 1), True, False))
+    for kernel_map in (down, up):
+        total = kernel_map.num_pairs
+        assert "pair_counts" not in vars(kernel_map)  # not counted on the host
+        assert total == int((kernel_map.neighbors >= 0).sum()) == len(coords)

@@ -148,18 +148,18 @@ def active_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
 
 
 def tile_slots(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
-               group: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               group: tuple[int, int] | None = None) -> torch.Tensor:
     """The gather rows each tile reads, laid out in the order it reads them: a flat int32 array
     holding, tile after tile and for each slot of the tile's offset list (active offsets first),
-    the ``block_m`` source rows of its visited rows (-1 = none, also past the last row); and
-    (tiles,) int64 where each tile's part starts. One int32 per row and offset of ``group``."""
-    return tile_plan(kernel_map, forward, sort, block_m, group)[3:]
+    the ``block_m`` source rows of its visited rows (-1 = none, also past the last row). Every tile
+    keeps a slot for each offset of ``group``, so tile ``t``'s part starts at ``t * width * block_m``."""
+    return tile_plan(kernel_map, forward, sort, block_m, group)[3]
 
 
 def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, group: tuple[int, int] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every tile view of one (direction, order, tile height, group), built together and cached on
-    the map: :func:`tile_offsets`, :func:`active_lists` (2), :func:`tile_slots` (2)."""
+    the map: :func:`tile_offsets`, :func:`active_lists` (2), :func:`tile_slots`."""
     lo, hi = group or (0, kernel_map.kernel_volume)
 
     def build(m: KernelMap) -> tuple[torch.Tensor, ...]:
@@ -169,23 +169,23 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
         tiles = -(-rows.numel() // block_m)
         # Every tile keeps room for all offsets of the group (its unused list slots hold -1 and
         # are never read): compacting to the listed ones needed their total on the host, a sync.
-        starts = torch.arange(0, tiles * width * block_m, width * block_m, dtype=torch.int64, device=device)
         if fused(table):
-            # One launch and one int32 buffer for the lists, counts and slots (each torch op costs
-            # the host ~10-20 µs on a new map; this view is rebuilt for every new point cloud).
-            # Each part starts 16-byte aligned: Triton specialises pointers on it (an unaligned one
-            # is another compile, and loses vector loads).
-            used = torch.empty((tiles, width), dtype=torch.int8, device=device)
-            lists, count = _aligned(tiles * width), _aligned(tiles)
-            flat = torch.empty(lists + count + tiles * width * block_m, dtype=torch.int32, device=device)
+            # One launch and one buffer for the lists, counts, slots and the used flags (each torch
+            # op costs the host ~10-20 µs on a new map; this view is rebuilt for every new point
+            # cloud). Each part starts 16-byte aligned: Triton specialises pointers on it (an
+            # unaligned one is another compile, and loses vector loads).
+            lists, count, slot_count = _aligned(tiles * width), _aligned(tiles), tiles * width * block_m
+            flat = torch.empty(lists + count + slot_count + _aligned(-(-tiles * width // 4)), dtype=torch.int32,
+                               device=device)
             offsets = flat[: tiles * width].view(tiles, width)
             counts = flat[lists: lists + tiles]
-            slots = flat[lists + count:]
+            slots = flat[lists + count: lists + count + slot_count]
+            used = flat[lists + count + slot_count:].view(torch.bool)[: tiles * width].view(tiles, width)
             if tiles:
                 args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0),
                                              lo, width, block_m)
                 tk.kernels().tile_plan[(tiles,)](*args, **options)
-            return used.view(torch.bool), offsets, counts, slots, starts
+            return used, offsets, counts, slots
         # The visited rows' sources, padded with "none" to whole tiles: the lists and the slots both read it.
         padded = torch.full((tiles * block_m, width), -1, dtype=torch.int32, device=device)
         padded[: rows.numel()] = table[rows, lo:hi]
@@ -194,7 +194,7 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
         # (tiles, list slot, row in tile): the source row of each visited row through the listed offset
         per_tile = padded.view(tiles, block_m, width).gather(
             2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
-        return used, offsets, used.sum(1, dtype=torch.int32), per_tile.reshape(-1), starts
+        return used, offsets, used.sum(1, dtype=torch.int32), per_tile.reshape(-1)
 
     return kernel_map.derived(("tile_plan", forward, sort, block_m, lo, hi), build)
 
@@ -223,9 +223,9 @@ def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -
     sort = bool(params.get("sort", True))
     for step, group in enumerate(offset_groups(table.shape[1], int(params.get("splits", 1)))):
         rows = sorted_rows(kernel_map, forward, sort, group)
-        _, offsets, counts, slots, starts = tile_plan(kernel_map, forward, sort, bm, group)
+        _, offsets, counts, slots = tile_plan(kernel_map, forward, sort, bm, group)
         grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
-        args, options = _rows_launch(params, a.dtype, step, (a, w, slots, starts, rows, offsets, counts, out),
+        args, options = _rows_launch(params, a.dtype, step, (a, w, slots, rows, offsets, counts, out),
                                      table.shape[0], reduce_dim, out_dim, offsets.shape[1], strides)
         kernels.rows_gemm[grid](*args, **options)
     return out
@@ -264,9 +264,9 @@ def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map
         if sort:
             args, options = _masks_launch(i32, i64, _mask_dtype(width), num_rows, volume, lo, width)
             tk.warm(kernels.row_masks, problem.device, *args, **options)
-        args, options = _plan_launch(i32, i64, torch.int8, i32, i32, i32, num_rows, volume, lo, width, bm)
+        args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, bm)
         tk.warm(kernels.tile_plan, problem.device, *args, **options)
-        args, options = _rows_launch(params, dtype, step, (dtype, dtype, i32, i64, i64, i32, i32, dtype),
+        args, options = _rows_launch(params, dtype, step, (dtype, dtype, i32, i64, i32, i32, dtype),
                                      num_rows, reduce_dim, out_dim, width, strides)
         tk.warm(kernels.rows_gemm, problem.device, *args, **options)
 

@@ -55,7 +55,7 @@ def _define() -> SimpleNamespace:
     # strides are, since vector loads need them.
     @triton.jit(do_not_specialize=["n_rows", "list_len"])
     def rows_gemm(
-        a_ptr, w_ptr, slots_ptr, start_ptr, rows_ptr, active_ptr, count_ptr, out_ptr,
+        a_ptr, w_ptr, slots_ptr, rows_ptr, active_ptr, count_ptr, out_ptr,
         n_rows, reduce_dim, out_dim, list_len,
         stride_wk, stride_wr, stride_wo,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -69,10 +69,11 @@ def _define() -> SimpleNamespace:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < out_dim
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # The tile's gather rows, offset after offset, are BLOCK_M consecutive int32 each (-1 = none):
-        # a coalesced load whose address needs only the loop counter, so the pipeliner puts it one
-        # stage ahead of the gather it feeds instead of two (the offset's id, then the row's entry).
-        slots = slots_ptr + tl.load(start_ptr + pid_m) + lanes
+        # The tile's gather rows, offset after offset, are BLOCK_M consecutive int32 each (-1 = none),
+        # list_len slots a tile: a coalesced load whose address needs only the loop counter, so the
+        # pipeliner puts it one stage ahead of the gather it feeds instead of two (the offset's id,
+        # then the row's entry).
+        slots = slots_ptr + pid_m.to(tl.int64) * list_len * BLOCK_M + lanes
         # One pipelined loop over (active offset, channel block): no pipeline drain between offsets.
         k_tiles = tl.cdiv(reduce_dim, BLOCK_K)
         steps = tl.load(count_ptr + pid_m) * k_tiles
@@ -210,7 +211,7 @@ def _define() -> SimpleNamespace:
         count = tl.sum(used, axis=0)
         unused = tl.where(k < width, 1 - used, 0)
         slot = tl.where(used > 0, tl.cumsum(used, axis=0) - 1, count + tl.cumsum(unused, axis=0) - 1)
-        tl.store(used_ptr + tile.to(tl.int64) * width + k, used.to(tl.int8), mask=k < width)
+        tl.store(used_ptr + tile.to(tl.int64) * width + k, used.to(used_ptr.dtype.element_ty), mask=k < width)
         tl.store(list_ptr + tile.to(tl.int64) * width + slot, lo + k, mask=k < width)
         tl.store(count_ptr + tile, count)
         at = tile.to(tl.int64) * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
