@@ -135,9 +135,12 @@ class CoordinateCache:
         neighbors = self.table(key.source).neighbors(out.coords, offsets)
         identity = center_offset(key.kernel_size) if out_id == key.source else None
         kernel_map = KernelMap(neighbors, source.coords.shape[0], key.kernel_size, identity)
-        # A kernel equal to its stride (undilated) tiles the grid: each input lies in one output
-        # cell. Knowing it lets backends store instead of accumulating, with no scan of the map.
+        # A kernel equal to its stride (undilated) whose window starts at the output cell's corner
+        # (sizes 1 and 2: larger sizes centre it, see kernel_map) tiles the grid: each input lies in
+        # the window of its own floored cell, which the output set holds. Knowing it lets backends
+        # store instead of accumulating, and the tuner count pairs, with no scan of the map.
         kernel_map.each_input_once = (not key.transposed and not key.generative and key.kernel_size == key.stride
+                                      and all(k <= 2 for k in key.kernel_size)
                                       and key.dilation == (1, 1, 1) and key.stride != (1, 1, 1))
         return kernel_map, out_id
 

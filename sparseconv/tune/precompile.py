@@ -1,4 +1,6 @@
-"""Compile a sweep's kernels in parallel before it is timed.
+"""Compile kernels off the critical path: a sweep's candidates in parallel before they are
+timed (:func:`precompile`), and a decided choice's kernels in the background while the layer runs
+the reference (:class:`Background`).
 
 Triton kernels compile on their first launch and CUTLASS cubins on their first call, one after
 the other as the sweep reaches each candidate: a cold pool of a dozen Triton tiles paid a dozen
@@ -12,7 +14,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+import os
+import queue
+import threading
+from collections.abc import Callable, Hashable, Sequence
 
 from ..coords.kernel_map import KernelMap
 from ..ops.backends import registry
@@ -51,3 +56,66 @@ def precompile(
                                     "version": backend.version, "ms": None, "samples": 0, "verdict": "failed",
                                     "reason": reason}
     return failed
+
+
+BACKGROUND_THREADS = 4
+
+
+class Background:
+    """Compiles the kernels of decided choices on a few daemon threads while the caller runs the
+    reference, so a cold process starts at once instead of compiling layer after layer.
+
+    Only for choices known to compile (a passing timing on this device, in the cache or the
+    shipped tunings): a compiler's output is not captured here (the capture is process-wide and
+    would hide the user's own output), and a compile that fails anyway is repeated in the
+    foreground by the choice's first call, where it falls back as any failing choice does.
+    Daemon threads: a process that ends with compiles queued does not wait for them.
+    """
+
+    def __init__(self, threads: int = BACKGROUND_THREADS) -> None:
+        self._threads = threads
+        self._queue: queue.SimpleQueue | None = None
+        self._jobs: dict[Hashable, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def ready(self, key: Hashable, compile: Callable[[], None]) -> bool:
+        """Whether ``key``'s compile has finished: the first call queues ``compile`` and says False;
+        later calls say False until it is done, then True once (and forget the job)."""
+        with self._lock:
+            job = self._jobs.get(key)
+            if job is None:
+                job = self._jobs[key] = concurrent.futures.Future()
+                self._start().put((job, compile))
+                return False
+            if not job.done():
+                return False
+            del self._jobs[key]
+        error = job.exception()
+        if error is not None:
+            logger.debug("sparseconv: background compile for %s failed (the first call compiles again): %s",
+                         key, faults.message_line(error))
+        return True
+
+    def pending(self, key: Hashable) -> bool:
+        """Whether ``key``'s compile is queued or running (no job is started)."""
+        job = self._jobs.get(key)
+        return job is not None and not job.done()
+
+    def _start(self) -> queue.SimpleQueue:
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            for i in range(max(1, min(self._threads, (os.cpu_count() or 2) // 2))):
+                threading.Thread(target=self._work, name=f"sparseconv-background-compile-{i}", daemon=True).start()
+        return self._queue
+
+    def _work(self) -> None:
+        while True:
+            job, compile = self._queue.get()
+            if not job.set_running_or_notify_cancel():
+                continue
+            try:
+                compile()
+            except BaseException as error:  # noqa: BLE001 - reported to the caller through the job
+                job.set_exception(error)
+            else:
+                job.set_result(None)

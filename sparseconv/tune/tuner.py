@@ -30,7 +30,7 @@ from .distributed import agree, claim
 from .guard import check_output
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
-from .precompile import precompile
+from .precompile import Background, precompile
 from .timing import CLOSE, Timer, TooSlow
 
 logger = logging.getLogger("sparseconv.tune")
@@ -43,6 +43,7 @@ class Tuner:
         self._choices: dict[tuple, tuple[Candidate, registry.Backend]] = {}
         self._lock = threading.Lock()
         self._reported: set[str] = set()  # candidates whose failure was logged as a warning
+        self._background = Background()  # no thread until a first choice compiles there
 
     @property
     def cache(self) -> TuneCache:
@@ -96,17 +97,36 @@ class Tuner:
             memo = (key, mode.level, mode.names, effort)
         choice = self._choices.get(memo)
         if choice is None or not _current(choice):
+            if self._background.pending(memo):  # its kernels are compiling: the reference runs meanwhile
+                return _REFERENCE, registry.get(FALLBACK)
             with self._lock:
                 choice = self._choices.get(memo)
                 if choice is None or not _current(choice):
+                    compiled = True  # a named backend compiles in its first call, as before
                     if mode.single:
                         candidate = candidate_pool(namespace, problem, mode, effort, deterministic)[0]
                     else:
-                        candidate = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map)
+                        candidate, compiled = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map)
                     if isinstance(candidate, _Provisional):
                         return candidate.candidate, registry.get(candidate.candidate.backend)
+                    if not compiled and self._compile_later(memo, namespace, problem, candidate, a, kernel_map,
+                                                            deterministic):
+                        return _REFERENCE, registry.get(FALLBACK)
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
         return choice
+
+    def _compile_later(self, memo: tuple, namespace: str, problem: ConvProblem, candidate: Candidate,
+                       a: torch.Tensor, kernel_map: KernelMap, deterministic: bool) -> bool:
+        """Whether this call runs the reference while ``candidate``'s kernels compile in the
+        background (queued by the first such call): on a GPU, for a choice decided without timing
+        in this process, unless deterministic (which kernel runs would depend on compile times),
+        tracing or capturing a CUDA graph (the reference would be recorded), or switched off."""
+        backend = registry.get(candidate.backend)
+        if (backend.precompile is None or not _on_gpu_eagerly(a) or deterministic
+                or not config.background_compile()):
+            return False
+        params = candidate.params_dict
+        return not self._background.ready(memo, lambda: backend.precompile(namespace, problem, params, kernel_map))
 
     def _decide(
         self,
@@ -118,10 +138,12 @@ class Tuner:
         a: torch.Tensor,
         b: torch.Tensor,
         kernel_map: KernelMap,
-    ) -> Candidate | _Provisional:
+    ) -> tuple[Candidate | _Provisional, bool]:
+        """(the choice, whether its kernels must compile in the call: not both decided by an earlier
+        passing timing on this device and left uncompiled by this call's sweep)."""
         pool = candidate_pool(namespace, problem, mode, effort, key.deterministic) or [Candidate(FALLBACK)]
         if len(pool) == 1:
-            return pool[0]  # one candidate (the reference alone, or a listed backend's one set): nothing to time
+            return pool[0], True  # one candidate (the reference alone, or a listed backend's one set): nothing to time
         encoded = key.encode()
         entry = self.cache.get(namespace, encoded) or {"timings": {}, "evidence": 0}
         timings: dict[str, dict] = dict(entry.get("timings", {}))
@@ -145,7 +167,7 @@ class Tuner:
                 if other is not None:
                     # Another rank has published a choice or is timing this key: run that choice,
                     # or the pool's first until it is published; never wait on another rank.
-                    return _adopt(other, pool, pool[0]) if other else _Provisional(pool[0])
+                    return (_adopt(other, pool, pool[0]) if other else _Provisional(pool[0])), True
                 refuse_tuning_in_trace(namespace, encoded, a)
             # The cost model's top picks first (effort quick), the rest only if none of them passed.
             for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
@@ -171,7 +193,9 @@ class Tuner:
         if fresh:
             self._store(namespace, encoded, timings)
         _log_sweep(namespace, encoded, pool, timings, choice, fresh)
-        return choice
+        # Its compile may wait for the background only if it compiled and passed on this device
+        # before (this process compiled the ones it timed just now).
+        return choice, choice in fresh or (current(choice) or {}).get("verdict") != "ok"
 
     def choices(self) -> list[tuple[str, str, str]]:
         """(namespace, key, candidate id) of every choice this process has settled on, sorted."""
@@ -312,6 +336,16 @@ def pick(timings: Mapping[str, Mapping], ids: list[str]) -> str:
     cheapest = min(cost(timings[i]) for i in ids)
     close = [i for i in ids if cost(timings[i]) <= cheapest * (1 + CLOSE)]
     return min(close, key=lambda i: (timings[i].get("host_ms", float("inf")), timings[i]["ms"]))
+
+
+_REFERENCE = Candidate(FALLBACK)
+"""What runs while a choice's kernels compile in the background (see :meth:`Tuner._compile_later`)."""
+
+
+def _on_gpu_eagerly(a: torch.Tensor) -> bool:
+    """Whether ``a`` is a real CUDA tensor outside any trace or CUDA-graph capture."""
+    return (a.is_cuda and not torch.compiler.is_compiling() and not isinstance(a, torch._subclasses.FakeTensor)
+            and not torch.cuda.is_current_stream_capturing())
 
 
 class _Provisional(NamedTuple):

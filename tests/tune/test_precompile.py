@@ -14,6 +14,7 @@ from fakes import Calls, registered
 import sparseconv.tune
 from sparseconv.ops import sparse_conv3d
 from sparseconv.ops.backends import Backend, explicit
+from sparseconv.ops.backends.registry import always_deterministic
 
 FWD = "AB_gather_scatter"
 LEVELS = 4
@@ -37,13 +38,13 @@ def _compiling(calls: Calls, barrier: threading.Barrier | None = None, broken: f
         return explicit.run(namespace, problem, params, a, b, kernel_map)
 
     backend = Backend("fake_compiled", frozenset({FWD}), run, params_space=tuple({"level": i} for i in range(LEVELS)),
-                      precompile=precompile)
+                      precompile=precompile, deterministic=always_deterministic)
     calls.threads = threads
     return backend
 
 
-def _conv() -> dict:
-    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
+def _conv(x=None) -> dict:
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200) if x is None else x
     record: dict = {}
     sparse_conv3d(x, torch.randn(27, 4, 5), record=record, fwd_algo=["fake_compiled"])
     return record
@@ -124,3 +125,77 @@ def test_precompiled_triton_kernels_are_the_ones_the_run_launches(mode, dtype):
                 backend.run(namespace, problem, candidate.params_dict, *operands[namespace], kernel_map)
             torch.cuda.synchronize()
             assert compiled() == before, (name, namespace)
+
+
+def _decided_in_an_earlier_process(calls: Calls, x) -> None:
+    """Tune the fake backend on ``x`` (the sweep compiles in the call), then forget the process's
+    tuner, as a new process with that cache file would."""
+    with registered(_compiling(calls)):
+        assert _conv(x)[FWD].startswith("fake_compiled[")
+    sparseconv.tune.reset()
+
+
+def test_a_decided_choice_compiles_in_the_background_while_the_reference_runs(monkeypatch):
+    import time
+
+    from sparseconv.tune import tuner
+
+    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)  # the CPU stands in for a GPU here
+    calls, release = Calls(), threading.Event()
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
+    _decided_in_an_earlier_process(calls, x)
+    backend = _compiling(calls)
+    hook = backend.precompile
+
+    def waiting(*args):
+        assert threading.current_thread().name.startswith("sparseconv-background-compile")
+        assert release.wait(20)
+        hook(*args)
+
+    with registered(Backend(backend.name, backend.ops, backend.run, params_space=backend.params_space,
+                            precompile=waiting, deterministic=always_deterministic)):
+        weight = torch.randn(27, 4, 5, dtype=torch.float32)
+        expected = explicit.run(FWD, None, {}, x.feats, weight, x.cache.kernel_map(
+            sparseconv.coords.KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0])
+        seen = []
+        for _ in range(3):  # compiling: the reference runs, and the hook was queued once
+            record = {}
+            out = sparse_conv3d(x, weight, record=record, fwd_algo=["fake_compiled"])
+            seen.append(record[FWD])
+            torch.testing.assert_close(out.feats, expected)
+        assert seen == ["explicit_gemm"] * 3
+        before = sum(calls.of(f"run[{i}]") for i in range(LEVELS))
+        release.set()
+        deadline = time.monotonic() + 20
+        while any(sparseconv.tune.get_tuner()._background.pending(m) for m in list(sparseconv.tune.get_tuner()
+                                                                                   ._background._jobs)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        record = {}
+        sparse_conv3d(x, weight, record=record, fwd_algo=["fake_compiled"])
+    assert record[FWD].startswith("fake_compiled[")
+    assert sum(calls.of(f"run[{i}]") for i in range(LEVELS)) == before + 1  # nothing timed again, the choice ran
+    compiled_now = [calls.of(f"compile[{i}]") for i in range(LEVELS)]
+    assert sum(compiled_now) == LEVELS + 1  # the sweep's LEVELS, then the choice's once in the background
+
+
+@pytest.mark.parametrize("how", ["switched off", "deterministic"])
+def test_a_decided_choice_compiles_in_the_call_where_the_background_does_not_apply(how, monkeypatch):
+    from sparseconv.tune import tuner
+
+    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)
+    calls = Calls()
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
+    _decided_in_an_earlier_process(calls, x)
+    if how == "switched off":
+        monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
+    else:  # a deterministic run's choices are its own: tune them first, deterministic too
+        monkeypatch.setattr(sparseconv.config, "deterministic", lambda: True)
+        with registered(_compiling(calls)):
+            _conv(x)
+        sparseconv.tune.reset()
+    before = sum(calls.of(f"compile[{i}]") for i in range(LEVELS))
+    with registered(_compiling(calls)):
+        record = _conv(x)
+    assert record[FWD].startswith("fake_compiled[")  # the first call runs the choice itself
+    assert sum(calls.of(f"compile[{i}]") for i in range(LEVELS)) == before  # compiled by its run, no hook

@@ -1,0 +1,123 @@
+"""Cold start of a whole network: the first training steps of a fresh process, ours beside the peers.
+
+Each configuration runs in a process of its own with empty tuning and Triton caches (a temporary
+SPARSECONV_CACHE_DIR and TRITON_CACHE_DIR; the shipped tunings stay unless --no-shipped), and
+trains the benchmark MinkUNet (scripts/bench_network.py) on new coordinates every step for
+--seconds, at least --steps steps. Printed per configuration, one table:
+
+  first step        wall time of the first training step (Warp start-up, tuning, compiling)
+  steady after      when the steps settle: the end of the first step after which every step
+                    is within 25% of the steady step
+  steps in Ns       training steps done within the first --seconds
+  steady step       median of the last five steps, milliseconds
+  compiles left     ours: kernels still compiling in the background after the first step
+
+Configurations: ``ours`` (default: a decided layer runs the reference while its kernels compile
+in the background), ``ours_blocking`` (SPARSECONV_BACKGROUND_COMPILE=0: compile in the call),
+``naive`` (every product pinned to explicit_gemm), and the peers in --peers.
+
+    python scripts/bench_cold_start.py --scene street1 --dtype float16 --peers spconv
+    python scripts/bench_cold_start.py --device cpu --scale 0.05 --seconds 5 --peers   # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OURS = {"ours": {}, "ours_blocking": {"SPARSECONV_BACKGROUND_COMPILE": "0"}}
+
+
+def child(args) -> None:
+    """One configuration in this (fresh) process: print the step times as one JSON line."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    from bench_layers import scene_coords
+    from bench_network import Runner, sync
+
+    device = torch.device(args.device)
+    name = "ours" if args.config in OURS else args.config
+    start = time.perf_counter()
+    coords = scene_coords(args.scene, args.scale).to(device)
+    runner = Runner(name, coords, getattr(torch, args.dtype), device)
+    setup, steps, pending = time.perf_counter() - start, [], None
+    while not steps or (time.perf_counter() - start < args.seconds or len(steps) < args.steps):
+        begin = time.perf_counter()
+        runner.step()
+        sync(device)
+        steps.append(time.perf_counter() - begin)
+        if pending is None and name == "ours":
+            import sparseconv.tune
+
+            pending = sum(sparseconv.tune.get_tuner()._background.pending(k)
+                          for k in list(sparseconv.tune.get_tuner()._background._jobs))
+    print(json.dumps({"setup_s": setup, "steps": steps, "pending": pending}))
+
+
+def run_config(config: str, args) -> dict:
+    env = dict(os.environ, **OURS.get(config, {}))
+    with tempfile.TemporaryDirectory() as tmp:
+        env.update(SPARSECONV_CACHE_DIR=os.path.join(tmp, "sc"), TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        if not args.shipped:
+            env["SPARSECONV_SHIPPED_TUNINGS"] = "0"
+        command = [sys.executable, os.path.abspath(__file__), "--child", config, "--scene", args.scene,
+                   "--dtype", args.dtype, "--device", args.device, "--scale", str(args.scale),
+                   "--seconds", str(args.seconds), "--steps", str(args.steps)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"error": " | ".join(tail)[:200]}
+    return json.loads(lines[-1])
+
+
+def summary(result: dict, seconds: float) -> list[str]:
+    if "error" in result:
+        return ["failed: " + result["error"], "", "", "", ""]
+    steps = result["steps"]
+    steady = statistics.median(steps[-5:])
+    settled = next(i for i in range(len(steps)) if all(s <= 1.25 * steady for s in steps[i + 1:]))
+    ends = [sum(steps[: i + 1]) for i in range(len(steps))]
+    within = sum(1 for end in ends if end <= seconds)
+    pending = result.get("pending")
+    return [f"{steps[0]:.2f} s", f"{ends[settled]:.1f} s (step {settled + 1})", str(within), f"{1e3 * steady:.1f}",
+            "-" if pending is None else str(pending)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scene", default="street1")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--seconds", type=float, default=30.0, help="train at least this long per configuration")
+    parser.add_argument("--steps", type=int, default=10, help="and at least this many steps")
+    parser.add_argument("--configs", nargs="+", default=["ours", "ours_blocking", "naive"])
+    parser.add_argument("--peers", nargs="*", default=["spconv"])
+    parser.add_argument("--no-shipped", dest="shipped", action="store_false", help="SPARSECONV_SHIPPED_TUNINGS=0")
+    parser.add_argument("--timeout", type=float, default=400.0, help="seconds per configuration")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.config = args.child
+        return child(args)
+    rows = [(config, summary(run_config(config, args), args.seconds)) for config in [*args.configs, *args.peers]]
+    print(f"\nCold start, {args.scene} x{args.scale:g}, {args.dtype}, {args.device}, shipped tunings "
+          f"{'on' if args.shipped else 'off'}, empty tuning and Triton caches, new coordinates every step")
+    header = ["library", "first step", "steady after", f"steps in {args.seconds:g} s", "steady step ms",
+              "compiles left"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for config, cells in rows:
+        print("| " + " | ".join([config, *cells]) + " |")
+
+
+if __name__ == "__main__":
+    main()
