@@ -11,6 +11,8 @@ trains the benchmark MinkUNet (scripts/bench_network.py) on new coordinates ever
   steps in Ns       training steps done within the first --seconds
   steady step       median of the last five steps, milliseconds
   compiles left     ours: kernels still compiling in the background after the first step
+  free GB           the GPU's free memory after the last step (background compile workers
+                    must not hold GPU memory)
 
 Configurations: ``ours`` (default: a decided layer runs the reference while its kernels compile
 in the background), ``ours_blocking`` (SPARSECONV_BACKGROUND_COMPILE=0: compile in the call),
@@ -59,7 +61,8 @@ def child(args) -> None:
 
             pending = sum(sparseconv.tune.get_tuner()._background.pending(k)
                           for k in list(sparseconv.tune.get_tuner()._background._jobs))
-    print(json.dumps({"setup_s": setup, "steps": steps, "pending": pending}))
+    free_gb = torch.cuda.mem_get_info(device)[0] / 2**30 if device.type == "cuda" else None
+    print(json.dumps({"setup_s": setup, "steps": steps, "pending": pending, "free_gb": free_gb}))
 
 
 def run_config(config: str, args) -> dict:
@@ -73,15 +76,18 @@ def run_config(config: str, args) -> dict:
                    "--seconds", str(args.seconds), "--steps", str(args.steps)]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
+    if not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return {"error": " | ".join(tail)[:200]}
-    return json.loads(lines[-1])
+    result = json.loads(lines[-1])
+    if done.returncode:  # the steps ran, the process did not end cleanly: say so beside them
+        result["exit"] = f"exit code {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1][:80]}"
+    return result
 
 
 def summary(result: dict, seconds: float) -> list[str]:
     if "error" in result:
-        return ["failed: " + result["error"], "", "", "", ""]
+        return ["failed: " + result["error"], "", "", "", "", ""]
     steps = result["steps"]
     steady = statistics.median(steps[-5:])
     settled = next(i for i in range(len(steps)) if all(s <= 1.25 * steady for s in steps[i + 1:]))
@@ -89,7 +95,8 @@ def summary(result: dict, seconds: float) -> list[str]:
     within = sum(1 for end in ends if end <= seconds)
     pending = result.get("pending")
     return [f"{steps[0]:.2f} s", f"{ends[settled]:.1f} s (step {settled + 1})", str(within), f"{1e3 * steady:.1f}",
-            "-" if pending is None else str(pending)]
+            ("-" if pending is None else str(pending)) + (f" ({result['exit']})" if "exit" in result else ""),
+            "-" if result.get("free_gb") is None else f"{result['free_gb']:.1f}"]
 
 
 def main() -> None:
@@ -113,7 +120,7 @@ def main() -> None:
     print(f"\nCold start, {args.scene} x{args.scale:g}, {args.dtype}, {args.device}, shipped tunings "
           f"{'on' if args.shipped else 'off'}, empty tuning and Triton caches, new coordinates every step")
     header = ["library", "first step", "steady after", f"steps in {args.seconds:g} s", "steady step ms",
-              "compiles left"]
+              "compiles left", "free GB"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for config, cells in rows:
         print("| " + " | ".join([config, *cells]) + " |")

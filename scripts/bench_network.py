@@ -19,8 +19,10 @@ Columns, per scene, dtype and library (milliseconds unless named; medians of --r
                     kernels' summed device time (torch.profiler)
   peak GB           peak allocated memory of a training step, new coordinates
   first / 1st step  the first inference, and the first training step after the timed
-                    inferences, in this process (ours: the tuner's sweeps and kernel compiles;
-                    empty tuning cache unless SPARSECONV_CACHE_DIR points at a filled one)
+                    inferences, in this process (ours: the tuner's sweeps and kernel compiles,
+                    or the reference while decided layers compile in the background; empty
+                    tuning cache unless SPARSECONV_CACHE_DIR points at a filled one; see
+                    scripts/bench_cold_start.py for the steps after the first)
 A peer whose training fails with its default algorithm trains with ConvAlgo.Native, marked.
   maps / syncs      kernel maps a pass queries (a transposed conv's map is the transpose of
                     its strided conv's, not queried); host syncs torch reports in one new-coordinate
@@ -203,7 +205,10 @@ def sync(device: torch.device) -> None:
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
-    """(median wall ms, median host ms until ``fn`` returned) over ``repeats`` passes after one warm-up."""
+    """(median wall ms, median host ms until ``fn`` returned) over ``repeats`` passes after the
+    warm-up: one pass, our background compiles finished, one more pass (each layer then runs its choice)."""
+    fn()
+    sparseconv.tune.wait_for_compiles()
     fn()
     walls, hosts = [], []
     for _ in range(repeats):

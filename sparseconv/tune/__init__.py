@@ -39,6 +39,16 @@ def reset() -> None:
     shipped.forget()
 
 
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Wait until the kernels compiling in the background have compiled (False if ``timeout``
+    seconds passed first): a benchmark's warm-up calls this, then runs once more, before timing.
+
+    On a GPU, a layer whose algorithm is decided (tuning cache or shipped tunings) but whose
+    kernels are not compiled yet runs the reference while they compile in worker processes
+    (``SPARSECONV_BACKGROUND_COMPILE=0`` compiles them in the call instead)."""
+    return get_tuner().wait_for_compiles(timeout)
+
+
 def run(
     namespace: str,
     problem: ConvProblem,
@@ -57,5 +67,6 @@ _registry.set_inner_tuner(autotune)
 
 
 __all__ = [
-    "Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset", "run", "warmup",
+    "Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset", "run",
+    "wait_for_compiles", "warmup",
 ]

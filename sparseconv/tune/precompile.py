@@ -15,9 +15,14 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import pickle
 import queue
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
 
 from ..coords.kernel_map import KernelMap
 from ..ops.backends import registry
@@ -58,64 +63,123 @@ def precompile(
     return failed
 
 
-BACKGROUND_THREADS = 4
+class MapShape(NamedTuple):
+    """What a ``precompile`` hook may read of a kernel map (Triton specialises on none of its data):
+    the stand-in a background compile receives, since the map's tensors stay in this process."""
+
+    num_in: int
+    num_out: int
+    kernel_size: tuple[int, int, int]
+    kernel_volume: int
+    identity_offset: int | None
+    each_input_once: bool
+    each_output_once: bool
+
+    @classmethod
+    def of(cls, kernel_map: KernelMap) -> MapShape:
+        return cls(kernel_map.num_in, kernel_map.num_out, kernel_map.kernel_size, kernel_map.kernel_volume,
+                   kernel_map.identity_offset, kernel_map.each_input_once, kernel_map.each_output_once)
 
 
 class Background:
-    """Compiles the kernels of decided choices on a few daemon threads while the caller runs the
+    """Compiles the kernels of decided choices in worker processes while the caller runs the
     reference, so a cold process starts at once instead of compiling layer after layer.
 
-    Only for choices known to compile (a passing timing on this device, in the cache or the
-    shipped tunings): a compiler's output is not captured here (the capture is process-wide and
-    would hide the user's own output), and a compile that fails anyway is repeated in the
-    foreground by the choice's first call, where it falls back as any failing choice does.
-    Daemon threads: a process that ends with compiles queued does not wait for them.
+    Processes, not threads: Triton's front end holds the GIL, so compile threads and the layers
+    running meanwhile slowed each other (a thread version left a street MinkUNet's compiles
+    unfinished after 25 s of training on an H100). A worker runs a backend's ``precompile`` hook
+    on a :class:`MapShape`; the compiled kernels land in the compiler's disk cache (Triton's,
+    nvcc's cubin directory), where this process's first launch finds them. The workers are
+    ``python -m sparseconv.tune.compile_worker`` (not multiprocessing, which would run the user's
+    script again in each worker); their output goes nowhere, and they end with this process.
+
+    Only for choices known to compile (a passing timing on this device): a job that fails
+    anyway (a hook that needs more than the shape, a worker that cannot start) just means the
+    choice's first call compiles it, as without this class.
     """
 
-    def __init__(self, threads: int = BACKGROUND_THREADS) -> None:
-        self._threads = threads
+    def __init__(self, workers: int | None = None) -> None:
+        self._workers = workers or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
         self._queue: queue.SimpleQueue | None = None
         self._jobs: dict[Hashable, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
 
-    def ready(self, key: Hashable, compile: Callable[[], None]) -> bool:
-        """Whether ``key``'s compile has finished: the first call queues ``compile`` and says False;
-        later calls say False until it is done, then True once (and forget the job)."""
+    def ready(self, key: Hashable, hook: Callable, args: tuple) -> bool:
+        """Whether ``key``'s compile (``hook(*args)`` in a worker) has finished: the first call queues
+        it and says False; later calls say False until it is done, then True once (and forget it)."""
         with self._lock:
             job = self._jobs.get(key)
             if job is None:
+                try:
+                    payload = pickle.dumps((hook, args))
+                except Exception as error:  # noqa: BLE001 - a local hook: compiled in the call instead
+                    logger.debug("sparseconv: %s cannot compile in the background: %s", key, error)
+                    return True
                 job = self._jobs[key] = concurrent.futures.Future()
-                self._start().put((job, compile))
+                self._start().put((job, payload))
                 return False
             if not job.done():
                 return False
             del self._jobs[key]
         error = job.exception()
         if error is not None:
-            logger.debug("sparseconv: background compile for %s failed (the first call compiles again): %s",
-                         key, faults.message_line(error))
+            logger.debug("sparseconv: background compile of %s failed (its first call compiles): %s", key,
+                         faults.message_line(error))
         return True
 
     def pending(self, key: Hashable) -> bool:
-        """Whether ``key``'s compile is queued or running (no job is started)."""
+        """Whether ``key``'s compile is queued or running (starts nothing)."""
         job = self._jobs.get(key)
         return job is not None and not job.done()
+
+    def queued(self) -> bool:
+        """Whether any compile was queued and its layer has not taken its choice since."""
+        return bool(self._jobs)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every queued compile has finished; False if ``timeout`` seconds passed first."""
+        jobs = list(self._jobs.values())
+        done, not_done = concurrent.futures.wait(jobs, timeout=timeout)
+        return not not_done
 
     def _start(self) -> queue.SimpleQueue:
         if self._queue is None:
             self._queue = queue.SimpleQueue()
-            for i in range(max(1, min(self._threads, (os.cpu_count() or 2) // 2))):
-                threading.Thread(target=self._work, name=f"sparseconv-background-compile-{i}", daemon=True).start()
+            for i in range(self._workers):
+                threading.Thread(target=self._feed, name=f"sparseconv-background-compile-{i}", daemon=True).start()
         return self._queue
 
-    def _work(self) -> None:
+    def _feed(self) -> None:
+        """One worker process, fed one job at a time (a daemon thread that only waits on pipes)."""
+        worker = None
         while True:
-            job, compile = self._queue.get()
+            job, payload = self._queue.get()
             if not job.set_running_or_notify_cancel():
                 continue
             try:
-                compile()
-            except BaseException as error:  # noqa: BLE001 - reported to the caller through the job
-                job.set_exception(error)
-            else:
+                if worker is None or worker.poll() is not None:
+                    worker = _spawn_worker()
+                worker.stdin.write(struct.pack("<Q", len(payload)) + payload)
+                worker.stdin.flush()
+                size = worker.stdout.read(8)
+                if len(size) < 8:
+                    raise RuntimeError(f"the compile worker ended (exit code {worker.wait()})")
+                error = pickle.loads(worker.stdout.read(struct.unpack("<Q", size)[0]))
+            except Exception as failure:  # noqa: BLE001 - reported through the job
+                job.set_exception(failure)
+                worker = None
+                continue
+            if error is None:
                 job.set_result(None)
+            else:
+                job.set_exception(RuntimeError(error))
+
+
+MAX_WORKERS = 8
+
+
+def _spawn_worker() -> subprocess.Popen:
+    """A compile worker with this process's environment and import path."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.Popen([sys.executable, "-m", "sparseconv.tune.compile_worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)

@@ -30,7 +30,7 @@ from .distributed import agree, claim
 from .guard import check_output
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
-from .precompile import Background, precompile
+from .precompile import Background, MapShape, precompile
 from .timing import CLOSE, Timer, TooSlow
 
 logger = logging.getLogger("sparseconv.tune")
@@ -97,7 +97,7 @@ class Tuner:
             memo = (key, mode.level, mode.names, effort)
         choice = self._choices.get(memo)
         if choice is None or not _current(choice):
-            if self._background.pending(memo):  # its kernels are compiling: the reference runs meanwhile
+            if self._background.pending(memo) and _on_gpu_eagerly(a):  # compiling: the reference runs meanwhile
                 return _REFERENCE, registry.get(FALLBACK)
             with self._lock:
                 choice = self._choices.get(memo)
@@ -117,16 +117,26 @@ class Tuner:
 
     def _compile_later(self, memo: tuple, namespace: str, problem: ConvProblem, candidate: Candidate,
                        a: torch.Tensor, kernel_map: KernelMap, deterministic: bool) -> bool:
-        """Whether this call runs the reference while ``candidate``'s kernels compile in the
-        background (queued by the first such call): on a GPU, for a choice decided without timing
+        """Whether this call runs the reference while ``candidate``'s kernels compile in worker
+        processes (queued by the first such call): on a GPU, for a choice decided without timing
         in this process, unless deterministic (which kernel runs would depend on compile times),
         tracing or capturing a CUDA graph (the reference would be recorded), or switched off."""
         backend = registry.get(candidate.backend)
         if (backend.precompile is None or not _on_gpu_eagerly(a) or deterministic
                 or not config.background_compile()):
             return False
-        params = candidate.params_dict
-        return not self._background.ready(memo, lambda: backend.precompile(namespace, problem, params, kernel_map))
+        shape = MapShape.of(kernel_map)
+        return not self._background.ready(memo, backend.precompile, (namespace, problem, candidate.params_dict, shape))
+
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        """Wait for the background compiles queued so far (see :meth:`_compile_later`); False if
+        ``timeout`` seconds passed first. The next call of each such layer then runs its choice."""
+        return self._background.wait(timeout)
+
+    def compiling(self) -> bool:
+        """Whether a layer ran the reference because its kernels were compiling in the background
+        and has not run its choice since (see :meth:`wait_for_compiles`)."""
+        return self._background.queued()
 
     def _decide(
         self,

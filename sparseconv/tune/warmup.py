@@ -15,9 +15,11 @@ def warmup(model: nn.Module, example_input: object) -> None:
     tuple of the model's arguments) so that every conv product it makes is tuned.
 
     Tuning times candidate kernels, which a trace or a CUDA-graph capture cannot do (the tuner
-    refuses there); a compiled model then finds every choice made. It also hands the kernel-map
-    keys of this batch to :mod:`sparseconv.ops.compiled`, so a compiled model builds a new batch's
-    maps in one go. Afterwards the parameters' gradients and the buffers (BatchNorm statistics)
+    refuses there); a compiled model then finds every choice made. If layers ran the reference
+    while their kernels compiled in the background (:func:`sparseconv.tune.wait_for_compiles`),
+    it waits for them and runs the model once more, so that every choice is compiled and loaded
+    before a capture. It also hands the kernel-map keys of this batch to
+    :mod:`sparseconv.ops.compiled`, so a compiled model builds a new batch's maps in one go. Afterwards the parameters' gradients and the buffers (BatchNorm statistics)
     are as before; the backward pass uses all-ones output gradients (tuning depends on shapes only).
     A ``torch.compile``-d module is run through its original module.
     """
@@ -25,10 +27,27 @@ def warmup(model: nn.Module, example_input: object) -> None:
         raise RuntimeError("sparseconv.tune.warmup runs eagerly: call it before the compiled model, not inside it")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from . import get_tuner
+
     model = getattr(model, "_orig_mod", model)  # an OptimizedModule (torch.compile) would trace instead
+    args = example_input if isinstance(example_input, tuple) else (example_input,)
+    tuner = get_tuner()
+    for _ in range(2):
+        _forward_backward(model, args)
+        if not tuner.compiling():
+            break
+        tuner.wait_for_compiles()
+    inputs = [a for a in args if isinstance(a, SparseTensor)]
+    if inputs:
+        from ..ops import compiled  # here: it loads Dynamo
+
+        compiled.learn_maps(inputs[0].cache)
+
+
+def _forward_backward(model: nn.Module, args: tuple) -> None:
+    """One forward and backward of ``model``, leaving its gradients and buffers as they were."""
     grads = {p: p.grad for p in model.parameters()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    args = example_input if isinstance(example_input, tuple) else (example_input,)
     try:
         with torch.enable_grad():
             outputs = [t for t in _tensors(model(*args)) if t.requires_grad]
@@ -40,11 +59,6 @@ def warmup(model: nn.Module, example_input: object) -> None:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-    inputs = [a for a in args if isinstance(a, SparseTensor)]
-    if inputs:
-        from ..ops import compiled  # here: it loads Dynamo
-
-        compiled.learn_maps(inputs[0].cache)
 
 
 def _tensors(value: object) -> Iterator[torch.Tensor]:

@@ -127,75 +127,103 @@ def test_precompiled_triton_kernels_are_the_ones_the_run_launches(mode, dtype):
             assert compiled() == before, (name, namespace)
 
 
+def _background_backend(calls: Calls) -> Backend:
+    """fake_compiled whose hook is a module-level function (a worker process can import it)."""
+    import background_fakes
+
+    backend = _compiling(calls)
+    return Backend(backend.name, backend.ops, backend.run, params_space=backend.params_space,
+                   precompile=background_fakes.precompile, deterministic=always_deterministic)
+
+
 def _decided_in_an_earlier_process(calls: Calls, x) -> None:
-    """Tune the fake backend on ``x`` (the sweep compiles in the call), then forget the process's
-    tuner, as a new process with that cache file would."""
-    with registered(_compiling(calls)):
+    """Tune fake_compiled on ``x`` (the sweep compiles in the call, in this process), then forget
+    the process's tuner, as a new process with that cache file would."""
+    with registered(_background_backend(calls)):
         assert _conv(x)[FWD].startswith("fake_compiled[")
     sparseconv.tune.reset()
 
 
-def test_a_decided_choice_compiles_in_the_background_while_the_reference_runs(monkeypatch):
-    import time
+def test_a_decided_choice_compiles_in_a_worker_process_while_the_reference_runs(tmp_path, monkeypatch):
+    import os
+
+    import background_fakes
 
     from sparseconv.tune import tuner
 
     monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)  # the CPU stands in for a GPU here
-    calls, release = Calls(), threading.Event()
+    monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
+    monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
+    calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
+    (tmp_path / "release").touch()  # the sweep's compiles in this process need not wait
     _decided_in_an_earlier_process(calls, x)
-    backend = _compiling(calls)
-    hook = backend.precompile
-
-    def waiting(*args):
-        assert threading.current_thread().name.startswith("sparseconv-background-compile")
-        assert release.wait(20)
-        hook(*args)
-
-    with registered(Backend(backend.name, backend.ops, backend.run, params_space=backend.params_space,
-                            precompile=waiting, deterministic=always_deterministic)):
-        weight = torch.randn(27, 4, 5, dtype=torch.float32)
-        expected = explicit.run(FWD, None, {}, x.feats, weight, x.cache.kernel_map(
-            sparseconv.coords.KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0])
+    (tmp_path / "release").unlink()
+    weight = torch.randn(27, 4, 5, dtype=torch.float32)
+    kernel_map = x.cache.kernel_map(sparseconv.coords.KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1),
+                                                                   False, False))[0]
+    expected = explicit.run(FWD, None, {}, x.feats, weight, kernel_map)
+    with registered(_background_backend(calls)):
         seen = []
-        for _ in range(3):  # compiling: the reference runs, and the hook was queued once
+        for _ in range(3):  # compiling: the reference runs, and the compile was queued once
             record = {}
             out = sparse_conv3d(x, weight, record=record, fwd_algo=["fake_compiled"])
             seen.append(record[FWD])
             torch.testing.assert_close(out.feats, expected)
         assert seen == ["explicit_gemm"] * 3
-        before = sum(calls.of(f"run[{i}]") for i in range(LEVELS))
-        release.set()
-        deadline = time.monotonic() + 20
-        while any(sparseconv.tune.get_tuner()._background.pending(m) for m in list(sparseconv.tune.get_tuner()
-                                                                                   ._background._jobs)):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        assert not sparseconv.tune.wait_for_compiles(timeout=0.5)  # held until released
+        (tmp_path / "release").touch()
+        assert sparseconv.tune.wait_for_compiles(timeout=60)
         record = {}
-        sparse_conv3d(x, weight, record=record, fwd_algo=["fake_compiled"])
+        out = sparse_conv3d(x, weight, record=record, fwd_algo=["fake_compiled"])
     assert record[FWD].startswith("fake_compiled[")
-    assert sum(calls.of(f"run[{i}]") for i in range(LEVELS)) == before + 1  # nothing timed again, the choice ran
-    compiled_now = [calls.of(f"compile[{i}]") for i in range(LEVELS)]
-    assert sum(compiled_now) == LEVELS + 1  # the sweep's LEVELS, then the choice's once in the background
+    torch.testing.assert_close(out.feats, expected)
+    compiled = (tmp_path / "compiled.log").read_text().split()
+    # the sweep's LEVELS compiles here, then the choice's once in a worker process
+    assert len(compiled) == LEVELS + 1 and compiled[:LEVELS] == [str(os.getpid())] * LEVELS
+    assert compiled[-1] != str(os.getpid())
 
 
 @pytest.mark.parametrize("how", ["switched off", "deterministic"])
-def test_a_decided_choice_compiles_in_the_call_where_the_background_does_not_apply(how, monkeypatch):
+def test_a_decided_choice_compiles_in_the_call_where_the_background_does_not_apply(how, tmp_path, monkeypatch):
+    import background_fakes
+
     from sparseconv.tune import tuner
 
     monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)
+    monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
+    calls = Calls()
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
+    if how == "switched off":
+        monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
+    else:  # a deterministic run's choices are its own (keys apart): tuned deterministic too
+        monkeypatch.setattr(sparseconv.config, "deterministic", lambda: True)
+    _decided_in_an_earlier_process(calls, x)
+    before = len((tmp_path / "compiled.log").read_text().split())
+    with registered(_background_backend(calls)):
+        record = _conv(x)
+    assert record[FWD].startswith("fake_compiled[")  # the first call runs the choice itself
+    assert len((tmp_path / "compiled.log").read_text().split()) == before  # compiled by its run, no hook
+
+
+def test_warmup_waits_for_the_background_and_leaves_every_choice_compiled(tmp_path, monkeypatch):
+    import os
+
+    import background_fakes
+
+    from sparseconv.nn import SparseConv3d
+    from sparseconv.tune import tuner
+
+    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)
+    monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
     _decided_in_an_earlier_process(calls, x)
-    if how == "switched off":
-        monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
-    else:  # a deterministic run's choices are its own: tune them first, deterministic too
-        monkeypatch.setattr(sparseconv.config, "deterministic", lambda: True)
-        with registered(_compiling(calls)):
-            _conv(x)
-        sparseconv.tune.reset()
-    before = sum(calls.of(f"compile[{i}]") for i in range(LEVELS))
-    with registered(_compiling(calls)):
-        record = _conv(x)
-    assert record[FWD].startswith("fake_compiled[")  # the first call runs the choice itself
-    assert sum(calls.of(f"compile[{i}]") for i in range(LEVELS)) == before  # compiled by its run, no hook
+    with registered(_background_backend(calls)):
+        conv = SparseConv3d(4, 5, 3, bias=False, fwd_algo=["fake_compiled"])
+        sparseconv.tune.warmup(conv, x)
+        assert not sparseconv.tune.get_tuner().compiling()
+        record = {}
+        sparse_conv3d(x, conv.weight.detach(), record=record, fwd_algo=["fake_compiled"])
+    assert record[FWD].startswith("fake_compiled[")
+    assert (tmp_path / "compiled.log").read_text().split()[-1] != str(os.getpid())  # compiled in a worker

@@ -1,0 +1,42 @@
+"""A background compile worker (see :class:`sparseconv.tune.precompile.Background`).
+
+Reads jobs from stdin, each a length-prefixed pickle of ``(hook, args)``, runs ``hook(*args)``
+(a backend's ``precompile`` hook on a map's shape: the kernels land in the compilers' disk
+caches) and answers each with a length-prefixed pickle of None or the error's first line. What
+the compilers print goes to /dev/null: the answers keep the original stdout to themselves.
+It ends when stdin closes, i.e. with the process that started it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+
+
+def main() -> None:
+    answers = os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # compilers and ptxas write to fd 1 and 2: not into the answers
+    os.dup2(null, 2)
+    jobs = sys.stdin.buffer
+    while True:
+        size = jobs.read(8)
+        if len(size) < 8:
+            return
+        payload = jobs.read(struct.unpack("<Q", size)[0])
+        try:
+            hook, args = pickle.loads(payload)
+            hook(*args)
+            answer = None
+        except BaseException as error:  # noqa: BLE001 - sent back, the worker goes on
+            lines = str(error).strip().splitlines()
+            answer = f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+        data = pickle.dumps(answer)
+        answers.write(struct.pack("<Q", len(data)) + data)
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main()
