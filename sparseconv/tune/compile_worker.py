@@ -2,9 +2,10 @@
 
 Reads jobs from stdin, each a length-prefixed pickle of ``(hook, args)``, runs ``hook(*args)``
 (a backend's ``precompile`` hook on a map's shape: the kernels land in the compilers' disk
-caches) and answers each with a length-prefixed pickle of None or the error's first line. What
+caches) and answers each with a length-prefixed pickle of (None or the error's first line, the
+seconds it took). What
 the compilers print goes to /dev/null: the answers keep the original stdout to themselves.
-It ends when stdin closes, i.e. with the process that started it.
+It ends when stdin closes: when the process that started it ends, or lets an idle worker go.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import pickle
 import struct
 import sys
+import time
 
 
 def main() -> None:
@@ -26,14 +28,15 @@ def main() -> None:
         if len(size) < 8:
             return
         payload = jobs.read(struct.unpack("<Q", size)[0])
+        start = time.perf_counter()
         try:
             hook, args = pickle.loads(payload)
             hook(*args)
-            answer = None
-        except BaseException as error:  # noqa: BLE001 - sent back, the worker goes on
-            lines = str(error).strip().splitlines()
-            answer = f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
-        data = pickle.dumps(answer)
+            error = None
+        except BaseException as failure:  # noqa: BLE001 - sent back, the worker goes on
+            lines = str(failure).strip().splitlines()
+            error = f"{type(failure).__name__}: {lines[0] if lines else ''}"[:300]
+        data = pickle.dumps((error, time.perf_counter() - start))
         answers.write(struct.pack("<Q", len(data)) + data)
         answers.flush()
 

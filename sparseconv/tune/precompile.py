@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
@@ -100,25 +101,34 @@ class Background:
 
     def __init__(self, workers: int | None = None) -> None:
         self._workers = workers or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
-        self._queue: queue.SimpleQueue | None = None
-        self._jobs: dict[Hashable, concurrent.futures.Future] = {}
+        self._queue: queue.Queue | None = None
+        self._jobs: dict[Hashable, concurrent.futures.Future] = {}  # by the caller's key
+        self._compiling: dict[Hashable, concurrent.futures.Future] = {}  # by what it compiles
         self._lock = threading.Lock()
+        self.log: list[tuple[float, float, float]] = []
+        """(queued, done, the worker's seconds) per finished job, perf_counter times (diagnostics)."""
 
-    def ready(self, key: Hashable, hook: Callable, args: tuple) -> bool:
+    def ready(self, key: Hashable, hook: Callable, args: tuple, compiles: Hashable) -> bool:
         """Whether ``key``'s compile (``hook(*args)`` in a worker) has finished: the first call queues
-        it and says False; later calls say False until it is done, then True once (and forget it)."""
+        it and says False; later calls say False until it is done, then True once (and forget it).
+        ``compiles`` names what the hook compiles: keys naming the same share one job (many layers
+        of a network run the same kernels on maps of other sizes)."""
         with self._lock:
             job = self._jobs.get(key)
             if job is None:
-                try:
-                    payload = pickle.dumps((hook, args))
-                except Exception as error:  # noqa: BLE001 - a local hook: compiled in the call instead
-                    logger.debug("sparseconv: %s cannot compile in the background: %s", key, error)
-                    return True
-                job = self._jobs[key] = concurrent.futures.Future()
-                self._start().put((job, payload))
-                return False
-            if not job.done():
+                job = self._compiling.get(compiles)
+                if job is None:
+                    try:
+                        payload = pickle.dumps((hook, args))
+                    except Exception as error:  # noqa: BLE001 - a local hook: compiled in the call instead
+                        logger.debug("sparseconv: %s cannot compile in the background: %s", key, error)
+                        return True
+                    job = self._compiling[compiles] = concurrent.futures.Future()
+                    self._start().put((job, payload, time.perf_counter()))
+                self._jobs[key] = job
+                if not job.done():
+                    return False
+            elif not job.done():
                 return False
             del self._jobs[key]
         error = job.exception()
@@ -142,18 +152,26 @@ class Background:
         done, not_done = concurrent.futures.wait(jobs, timeout=timeout)
         return not not_done
 
-    def _start(self) -> queue.SimpleQueue:
+    def _start(self) -> queue.Queue:
         if self._queue is None:
-            self._queue = queue.SimpleQueue()
+            self._queue = queue.Queue()
             for i in range(self._workers):
                 threading.Thread(target=self._feed, name=f"sparseconv-background-compile-{i}", daemon=True).start()
         return self._queue
 
     def _feed(self) -> None:
-        """One worker process, fed one job at a time (a daemon thread that only waits on pipes)."""
+        """One worker process, fed one job at a time (a daemon thread that only waits on pipes).
+        A worker idle for IDLE_S goes (its compiler's CUDA context holds ~0.5 GB of the GPU); the
+        next job starts another."""
         worker = None
         while True:
-            job, payload = self._queue.get()
+            try:
+                job, payload, queued = self._queue.get(timeout=IDLE_S if worker is not None else None)
+            except queue.Empty:
+                worker.stdin.close()
+                worker.wait()
+                worker = None
+                continue
             if not job.set_running_or_notify_cancel():
                 continue
             try:
@@ -164,18 +182,22 @@ class Background:
                 size = worker.stdout.read(8)
                 if len(size) < 8:
                     raise RuntimeError(f"the compile worker ended (exit code {worker.wait()})")
-                error = pickle.loads(worker.stdout.read(struct.unpack("<Q", size)[0]))
+                error, seconds = pickle.loads(worker.stdout.read(struct.unpack("<Q", size)[0]))
             except Exception as failure:  # noqa: BLE001 - reported through the job
                 job.set_exception(failure)
                 worker = None
                 continue
+            self.log.append((queued, time.perf_counter(), seconds))
             if error is None:
                 job.set_result(None)
             else:
                 job.set_exception(RuntimeError(error))
 
 
-MAX_WORKERS = 8
+MAX_WORKERS = 4
+"""Each worker's compiler loads its kernels, which holds a CUDA context (~0.5 GB on an H100)
+while it lives: 4 workers at most, gone IDLE_S after the last job."""
+IDLE_S = 5.0
 
 
 def _spawn_worker() -> subprocess.Popen:

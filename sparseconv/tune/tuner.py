@@ -9,6 +9,7 @@ the other ranks, remembers the choice for the process and stores every timing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -126,7 +127,12 @@ class Tuner:
                 or not config.background_compile()):
             return False
         shape = MapShape.of(kernel_map)
-        return not self._background.ready(memo, backend.precompile, (namespace, problem, candidate.params_dict, shape))
+        # What the hook compiles depends on the problem but not on its row counts (no kernel
+        # specialises on them), so layers differing only in size share one job.
+        compiles = (candidate.id, namespace, dataclasses.replace(problem, num_in=0, num_out=0),
+                    shape._replace(num_in=0, num_out=0))
+        return not self._background.ready(memo, backend.precompile, (namespace, problem, candidate.params_dict, shape),
+                                          compiles)
 
     def wait_for_compiles(self, timeout: float | None = None) -> bool:
         """Wait for the background compiles queued so far (see :meth:`_compile_later`); False if

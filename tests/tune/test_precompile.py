@@ -227,3 +227,23 @@ def test_warmup_waits_for_the_background_and_leaves_every_choice_compiled(tmp_pa
         sparse_conv3d(x, conv.weight.detach(), record=record, fwd_algo=["fake_compiled"])
     assert record[FWD].startswith("fake_compiled[")
     assert (tmp_path / "compiled.log").read_text().split()[-1] != str(os.getpid())  # compiled in a worker
+
+
+def test_background_jobs_that_compile_the_same_kernels_are_one_job(tmp_path, monkeypatch):
+    import background_fakes
+
+    from sparseconv.tune.precompile import Background
+
+    monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
+    monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
+    background = Background(workers=2)
+    args = (FWD, None, {}, None)
+    assert not background.ready("layer 1", background_fakes.precompile, args, compiles="kernel A")
+    assert not background.ready("layer 2", background_fakes.precompile, args, compiles="kernel A")
+    assert not background.ready("layer 3", background_fakes.precompile, args, compiles="kernel B")
+    (tmp_path / "release").touch()
+    assert background.wait(timeout=60)
+    assert [background.ready(k, background_fakes.precompile, args, "kernel A") for k in ("layer 1", "layer 2")] == [True] * 2
+    assert background.ready("layer 3", background_fakes.precompile, args, compiles="kernel B")
+    assert not background.queued()
+    assert len((tmp_path / "compiled.log").read_text().split()) == 2  # kernel A once, kernel B once
