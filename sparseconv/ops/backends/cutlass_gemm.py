@@ -242,7 +242,15 @@ def _pair_blocks(kernel_map: KernelMap, size: int) -> torch.Tensor:
     first = (np.arange(int(per_offset.sum())) - np.repeat(np.cumsum(per_offset) - per_offset, per_offset)) * size
     start = np.repeat(np.cumsum(counts) - counts, per_offset) + first
     blocks = np.stack([offset, start, np.minimum(size, counts[offset] - first)], axis=1).astype(np.int32)
-    return torch.from_numpy(blocks).to(kernel_map.neighbors.device)
+    return _to_device(blocks, kernel_map.neighbors.device)
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without waiting: copied from pinned memory, asynchronously. A copy
+    from pageable memory makes the host wait for all the GPU work queued before it, and these
+    views are built in a training step's backward, with the GPU busy (two waits a map)."""
+    host = torch.from_numpy(values)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 @inner_autotune(TILES, key=("op", "dtype", "channels", "rows"))
@@ -284,7 +292,7 @@ def _chunks(kernel_map: KernelMap, chunk: int) -> tuple[torch.Tensor, torch.Tens
     chunk = max(chunk, math.ceil(kernel_map.num_pairs / MAX_GRID_Z))  # one grid z-index per chunk
     blocks = _pair_blocks(kernel_map, chunk)
     per_offset = [math.ceil(count / chunk) for count in kernel_map.pair_counts]
-    starts = torch.tensor([0, *itertools.accumulate(per_offset)], dtype=torch.int32, device=blocks.device)
+    starts = _to_device(np.array([0, *itertools.accumulate(per_offset)], dtype=np.int32), blocks.device)
     return blocks[:, 1:].contiguous(), starts
 
 

@@ -41,6 +41,16 @@ def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[i
     """(rows,) int64 visiting order of the product's rows, by their neighbour mask over the offsets
     of ``group`` (default: all) if ``sort``; cached on the map."""
     lo, hi = group or (0, kernel_map.kernel_volume)
+    if not forward:
+        # A dgrad walks the transposed table: its adjoint's forward table, whose views a transposed
+        # (or strided) conv of the network built already. A submanifold map's transposed table is
+        # its own with the offsets mirrored (k -> K-1-k): a row's mask is its forward mask with
+        # the bits permuted, so the forward order groups equal masks just as well (any order is
+        # correct; the order only makes tiles dense).
+        if kernel_map.identity_offset is not None:
+            volume = kernel_map.kernel_volume
+            return sorted_rows(kernel_map, True, sort, (volume - hi, volume - lo))
+        return sorted_rows(kernel_map.transposed(), True, sort, group)
 
     def build(m: KernelMap) -> torch.Tensor:
         table = product_table(m, forward)
@@ -161,6 +171,8 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
     """Every tile view of one (direction, order, tile height, group), built together and cached on
     the map: :func:`tile_offsets`, :func:`active_lists` (2), :func:`tile_slots`."""
     lo, hi = group or (0, kernel_map.kernel_volume)
+    if not forward and kernel_map.identity_offset is None:  # the adjoint's forward plan (see sorted_rows)
+        return tile_plan(kernel_map.transposed(), True, sort, block_m, group)
 
     def build(m: KernelMap) -> tuple[torch.Tensor, ...]:
         rows = sorted_rows(m, forward, sort, group)
@@ -274,6 +286,10 @@ def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map
 def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
     a, w = a.contiguous(), b.contiguous()
     forward, reduce_dim, out_dim, strides = _product(namespace, w.shape[1], w.shape[2])
+    if not forward and kernel_map.identity_offset is None:
+        # The transposed table is the adjoint's forward table (see sorted_rows): run on the adjoint,
+        # held here so that the views built for this call stay with it.
+        kernel_map, forward = kernel_map.transposed(), True
     return _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides)
 
 
