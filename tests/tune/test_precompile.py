@@ -136,10 +136,11 @@ def _background_backend(calls: Calls) -> Backend:
                    precompile=background_fakes.precompile, deterministic=always_deterministic)
 
 
-def _decided_in_an_earlier_process(calls: Calls, x) -> None:
+def _decided_in_an_earlier_process(calls: Calls, x, monkeypatch) -> None:
     """Tune fake_compiled on ``x`` (the sweep compiles in the call, in this process), then forget
     the process's tuner, as a new process with that cache file would."""
-    with registered(_background_backend(calls)):
+    with registered(_background_backend(calls)), monkeypatch.context() as patch:
+        patch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
         assert _conv(x)[FWD].startswith("fake_compiled[")
     sparseconv.tune.reset()
 
@@ -157,7 +158,7 @@ def test_a_decided_choice_compiles_in_a_worker_process_while_the_reference_runs(
     calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
     (tmp_path / "release").touch()  # the sweep's compiles in this process need not wait
-    _decided_in_an_earlier_process(calls, x)
+    _decided_in_an_earlier_process(calls, x, monkeypatch)
     (tmp_path / "release").unlink()
     weight = torch.randn(27, 4, 5, dtype=torch.float32)
     kernel_map = x.cache.kernel_map(sparseconv.coords.KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1),
@@ -198,7 +199,7 @@ def test_a_decided_choice_compiles_in_the_call_where_the_background_does_not_app
         monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
     else:  # a deterministic run's choices are its own (keys apart): tuned deterministic too
         monkeypatch.setattr(sparseconv.config, "deterministic", lambda: True)
-    _decided_in_an_earlier_process(calls, x)
+    _decided_in_an_earlier_process(calls, x, monkeypatch)
     before = len((tmp_path / "compiled.log").read_text().split())
     with registered(_background_backend(calls)):
         record = _conv(x)
@@ -218,7 +219,7 @@ def test_warmup_waits_for_the_background_and_leaves_every_choice_compiled(tmp_pa
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
-    _decided_in_an_earlier_process(calls, x)
+    _decided_in_an_earlier_process(calls, x, monkeypatch)
     with registered(_background_backend(calls)):
         conv = SparseConv3d(4, 5, 3, bias=False, fwd_algo=["fake_compiled"])
         sparseconv.tune.warmup(conv, x)
@@ -247,3 +248,41 @@ def test_background_jobs_that_compile_the_same_kernels_are_one_job(tmp_path, mon
     assert background.ready("layer 3", background_fakes.precompile, args, compiles="kernel B")
     assert not background.queued()
     assert len((tmp_path / "compiled.log").read_text().split()) == 2  # kernel A once, kernel B once
+
+
+def test_a_sweep_waits_for_its_candidates_to_compile_in_the_background(tmp_path, monkeypatch):
+    import os
+
+    import background_fakes
+
+    from sparseconv.tune import tuner
+
+    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)
+    monkeypatch.setattr(tuner, "SWEEP_IN_BACKGROUND", LEVELS)  # as if LEVELS were the cost model's picks
+    monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
+    monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
+    calls = Calls()
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
+    with registered(_background_backend(calls)):
+        assert [_conv(x)[FWD] for _ in range(2)] == ["explicit_gemm"] * 2  # nothing timed yet: the reference
+        assert sum(calls.of(f"run[{i}]") for i in range(LEVELS)) == 0
+        (tmp_path / "release").touch()
+        assert sparseconv.tune.wait_for_compiles(timeout=60)
+        record = _conv(x)  # compiled: timed now, and the winner runs
+    assert record[FWD].startswith("fake_compiled[")
+    assert all(calls.of(f"run[{i}]") >= 1 for i in range(LEVELS))
+    pids = (tmp_path / "compiled.log").read_text().split()
+    workers = [p for p in pids if p != str(os.getpid())]
+    assert len(workers) == LEVELS  # each candidate once in a worker (then its disk-cached load here)
+
+
+def test_a_sweep_of_more_than_the_cost_models_picks_compiles_in_the_call(tmp_path, monkeypatch):
+    import background_fakes
+
+    from sparseconv.tune import tuner
+
+    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)
+    monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
+    assert tuner.SWEEP_IN_BACKGROUND < LEVELS  # no model: all LEVELS candidates are timed at once
+    with registered(_background_backend(Calls())):
+        assert _conv()[FWD].startswith("fake_compiled[")  # timed and chosen in the first call
