@@ -48,6 +48,10 @@ MODES = [
     Mode("dilation2_k3", 3, dilation=2),
     Mode("dilation2_strided_k3_s2", 3, stride=2, dilation=2),
     Mode("dilation2_transposed_k3_s2", 3, stride=2, dilation=2, transposed=True),
+    # A kernel equal to its stride but odd: its window is centred, so an input can lie in no window
+    # (the map is not "each input once", and its transpose leaves such rows at zero).
+    Mode("strided_k3_s3", 3, stride=3),
+    Mode("transposed_k3_s3", 3, stride=3, transposed=True),
 ]
 
 
