@@ -57,7 +57,10 @@ class Backend:
     ``run`` would compile on its first call with these arguments, without running anything: the
     tuner calls it for a sweep's candidates on parallel threads before timing them, so it must be
     thread-safe and read only what the map already holds (never build a lazy view); raising
-    disqualifies the candidate.
+    disqualifies the candidate. It must be a module-level function: the tuner also runs it in a
+    compile worker process, where ``kernel_map`` is a ``MapShape`` (sizes, kernel size, the
+    identity offset and the once-flags; no tensors, no pair counts) and what it compiles must land
+    in a disk cache (Triton's, the CUTLASS cubins') for this process's first call to find.
     """
 
     name: str
