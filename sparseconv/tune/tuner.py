@@ -127,17 +127,18 @@ class Tuner:
         if not _on_gpu_eagerly(a) or deterministic or not config.background_compile():
             return False
         shape = MapShape.of(kernel_map)
-        # What a hook compiles depends on the problem but not on its row counts (no kernel
-        # specialises on them), so layers differing only in size share one job.
+        # Unless the backend says what its hook compiles: the problem but for its row counts (no
+        # kernel specialises on them), so layers differing only in size share one job.
         sizeless = (namespace, dataclasses.replace(problem, num_in=0, num_out=0), shape._replace(num_in=0, num_out=0))
         waiting = []
         for candidate in candidates:
             backend = registry.get(candidate.backend)
             if backend.precompile is None:
                 continue
-            job = (memo, candidate.id)
-            if not self._background.ready(job, backend.precompile,
-                                          (namespace, problem, candidate.params_dict, shape), (candidate.id, *sizeless)):
+            job, params = (memo, candidate.id), candidate.params_dict
+            compiles = (candidate.id, *sizeless) if backend.compiles is None else backend.compiles(namespace, problem,
+                                                                                                 params)
+            if not self._background.ready(job, backend.precompile, (namespace, problem, params, shape), compiles):
                 waiting.append(job)
         if waiting:
             self._waiting[memo] = waiting

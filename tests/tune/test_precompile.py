@@ -286,3 +286,23 @@ def test_a_sweep_of_more_than_the_cost_models_picks_compiles_in_the_call(tmp_pat
     assert tuner.SWEEP_IN_BACKGROUND < LEVELS  # no model: all LEVELS candidates are timed at once
     with registered(_background_backend(Calls())):
         assert _conv()[FWD].startswith("fake_compiled[")  # timed and chosen in the first call
+
+
+def test_the_cutlass_backends_compile_one_set_of_tiles_per_dtype_whatever_the_layer():
+    # Their hook compiles every tile of the dtype: background jobs of any of their layers are one.
+    import dataclasses
+
+    from sparseconv.ops.backends import get
+    from sparseconv.ops.problem import ConvProblem
+
+    small = ConvProblem(100, 90, 16, 32, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False, torch.float16,
+                        torch.device("cuda", 0))
+    large = dataclasses.replace(small, num_in=50_000, num_out=20_000, in_channels=96, out_channels=64,
+                                kernel_size=(2, 2, 2), stride=(2, 2, 2))
+    gemm = {get(name).compiles(namespace, problem, {})
+            for name in ("cutlass_grouped", "cutlass_implicit_gemm", "cutlass_splitk_wgrad")
+            for namespace in get(name).ops for problem in (small, large)}
+    assert len(gemm) == 1
+    assert get("cutlass_grouped").compiles(FWD, dataclasses.replace(small, dtype=torch.bfloat16), {}) not in gemm
+    sm90 = {get("cutlass_sm90").compiles(FWD, problem, {}) for problem in (small, large)}
+    assert len(sm90) == 1 and not sm90 & gemm

@@ -367,16 +367,23 @@ def _precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_ma
         prefetch(problem.dtype, problem.device)
 
 
+def _compiles(namespace: str, problem: ConvProblem, params: Mapping) -> tuple:
+    """What _precompile compiles: every tile of the dtype, whatever the layer (Backend.compiles)."""
+    return "cutlass_gemm", problem.dtype, problem.device
+
+
 # All three are deterministic (no atomics on values): grouped writes each row once; implicit's
 # per-offset launches read-add-write rows that are unique within an offset, in stream order;
 # splitk_wgrad sums its chunks in a fixed order. A tile (an @autotune choice) is fixed per process.
 CUTLASS_GROUPED = register(Backend(
     name="cutlass_grouped", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_grouped,
     supports=unsupported, pool=_pool, heuristic=_heuristic, version=2,  # 2: rows sorted rarest offset first
-    precompile=_precompile, deterministic=always_deterministic))
+    precompile=_precompile, compiles=_compiles, deterministic=always_deterministic))
 CUTLASS_IMPLICIT_GEMM = register(Backend(
     name="cutlass_implicit_gemm", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run_implicit,
-    supports=unsupported, pool=_pool, heuristic=_heuristic, precompile=_precompile, deterministic=always_deterministic))
+    supports=unsupported, pool=_pool, heuristic=_heuristic, precompile=_precompile, compiles=_compiles,
+    deterministic=always_deterministic))
 CUTLASS_SPLITK_WGRAD = register(Backend(
     name="cutlass_splitk_wgrad", ops=frozenset({"AtB_gather_gather"}), run=run_wgrad,
-    supports=unsupported, pool=_pool, heuristic=_heuristic, precompile=_precompile, deterministic=always_deterministic))
+    supports=unsupported, pool=_pool, heuristic=_heuristic, precompile=_precompile, compiles=_compiles,
+    deterministic=always_deterministic))

@@ -233,9 +233,14 @@ def _precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_ma
         prefetch(problem.dtype)
 
 
+def _compiles(namespace: str, problem: ConvProblem, params: Mapping) -> tuple:
+    """What _precompile compiles: every tile of the dtype, whatever the layer (Backend.compiles)."""
+    return "cutlass_sm90", problem.dtype
+
+
 # Deterministic: the tile counter's atomicAdd only decides which block takes a tile; a tile's sum
 # is the same whichever block computes it, and offset groups add in launch order.
 CUTLASS_SM90 = register(Backend(
     name="cutlass_sm90", ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}), run=run, params_space=SPACE,
     supports=unsupported, pool=_pool, heuristic=_heuristic, version=2,  # 2: persistent blocks
-    precompile=_precompile, deterministic=always_deterministic))
+    precompile=_precompile, compiles=_compiles, deterministic=always_deterministic))

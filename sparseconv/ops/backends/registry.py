@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +73,10 @@ class Backend:
     version: int = 1
     deterministic: Callable[[str, Mapping], bool] = field(default=never_deterministic)
     precompile: PrecompileFn | None = None
+    compiles: Callable[[str, ConvProblem, Mapping], Hashable] | None = None
+    """``compiles(namespace, problem, params)``: what ``precompile`` compiles for these arguments;
+    background compiles of equal values are one job. None: the candidate and the problem but for
+    its row counts (no kernel specialises on them)."""
 
     def candidates_params(self, problem: ConvProblem, level: str) -> list[Mapping]:
         """Parameter sets of this backend in the ``level`` pool for ``problem``."""
