@@ -94,9 +94,9 @@ class Background:
     ``python -m sparseconv.tune.compile_worker`` (not multiprocessing, which would run the user's
     script again in each worker); their output goes nowhere, and they end with this process.
 
-    Only for choices known to compile (a passing timing on this device): a job that fails
-    anyway (a hook that needs more than the shape, a worker that cannot start) just means the
-    choice's first call compiles it, as without this class.
+    A job that fails (a candidate that does not compile, a hook that needs more than the shape, a
+    worker that cannot start) only means that the first call here compiles it, where a failure is
+    handled as without this class (a timed candidate is disqualified in one log line).
     """
 
     def __init__(self, workers: int | None = None) -> None:
