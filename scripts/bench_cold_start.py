@@ -10,7 +10,8 @@ trains the benchmark MinkUNet (scripts/bench_network.py) on new coordinates ever
                     is within 25% of the steady step
   steps in Ns       training steps done within the first --seconds
   steady step       median of the last five steps, milliseconds
-  compiles left     ours: kernels still compiling in the background after the first step
+  compiles left     ours: products whose kernels were queued for a background compile and
+                    that have not run their choice yet, after the first step
   free GB           the GPU's free memory after the last step (background compile workers
                     must not hold GPU memory)
 
@@ -59,8 +60,7 @@ def child(args) -> None:
         if pending is None and name == "ours":
             import sparseconv.tune
 
-            pending = sum(sparseconv.tune.get_tuner()._background.pending(k)
-                          for k in list(sparseconv.tune.get_tuner()._background._jobs))
+            pending = sparseconv.tune.get_tuner().compiling()
     free_gb = torch.cuda.mem_get_info(device)[0] / 2**30 if device.type == "cuda" else None
     print(json.dumps({"setup_s": setup, "steps": steps, "pending": pending, "free_gb": free_gb}))
 

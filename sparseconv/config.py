@@ -30,7 +30,7 @@ VARIABLES = {
     "SPARSECONV_SHIPPED_TUNINGS": "1 (default): use the tunings shipped for common GPUs under the cache | 0: ignore them",
     "SPARSECONV_BACKGROUND_COMPILE": ("1 (default): on a GPU, a layer whose algorithm is decided (tuning cache or "
                                       "shipped tunings) but not compiled yet runs the reference while it compiles "
-                                      "on a background thread | 0: compile it before the call"),
+                                      "in worker processes | 0: compile it in the call"),
     "SPARSECONV_NVCC": "nvcc for the CUTLASS backends (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",
     "SPARSECONV_CUTLASS_DIR": "CUTLASS checkout or include directory (default: the nvidia-cutlass package's headers)",
     "SPARSECONV_DETERMINISTIC": "1: only deterministic algorithms (bitwise-repeatable runs); 0: never; "
@@ -62,21 +62,21 @@ def autotune_log() -> bool:
 
 
 def shipped_tunings() -> bool:
-    value = os.environ.get("SPARSECONV_SHIPPED_TUNINGS", "").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"SPARSECONV_SHIPPED_TUNINGS must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
+    return _switch("SPARSECONV_SHIPPED_TUNINGS")
 
 
 def background_compile() -> bool:
-    value = os.environ.get("SPARSECONV_BACKGROUND_COMPILE", "").strip().lower()
+    return _switch("SPARSECONV_BACKGROUND_COMPILE")
+
+
+def _switch(name: str) -> bool:
+    """A variable that is on unless set to 0 (false, no, off)."""
+    value = os.environ.get(name, "").strip().lower()
     if value in ("",) + _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"SPARSECONV_BACKGROUND_COMPILE must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
+    raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
 
 
 def triton_interpret() -> bool:

@@ -98,20 +98,16 @@ class KernelMap:
         pairs and counts and has this map's table as its transposed table, so nothing is built twice.
         One object per map (the adjoint of an adjoint is its source): backends keep the views of a
         product on the map whose table it walks, so a dgrad finds those of its adjoint's forward."""
-        adjoint = self.adjoint_if_made()
+        if self.transpose_of is not None:
+            return self.transpose_of
+        ref = self.__dict__.get("_adjoint")
+        adjoint = None if ref is None else ref()
         if adjoint is None:
             adjoint = _AdjointMap(self)
             # A weak reference: the adjoint refers to its source, and a cycle between two maps
             # would hold their GPU tables until a full garbage collection, batch after batch.
             self.__dict__["_adjoint"] = weakref.ref(adjoint)
         return adjoint
-
-    def adjoint_if_made(self) -> KernelMap | None:
-        """:meth:`transposed` if it exists (a transposed conv's map, or its source), else None."""
-        if self.transpose_of is not None:
-            return self.transpose_of
-        ref = self.__dict__.get("_adjoint")
-        return None if ref is None else ref()
 
     @functools.cached_property
     def transposed_neighbors(self) -> torch.Tensor:

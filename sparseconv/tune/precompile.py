@@ -105,8 +105,6 @@ class Background:
         self._jobs: dict[Hashable, concurrent.futures.Future] = {}  # by the caller's key
         self._compiling: dict[Hashable, concurrent.futures.Future] = {}  # by what it compiles
         self._lock = threading.Lock()
-        self.log: list[tuple[float, float, float]] = []
-        """(queued, done, the worker's seconds) per finished job, perf_counter times (diagnostics)."""
 
     def ready(self, key: Hashable, hook: Callable, args: tuple, compiles: Hashable) -> bool:
         """Whether ``key``'s compile (``hook(*args)`` in a worker) has finished: the first call queues
@@ -142,9 +140,9 @@ class Background:
         job = self._jobs.get(key)
         return job is not None and not job.done()
 
-    def queued(self) -> bool:
-        """Whether any compile was queued and its layer has not taken its choice since."""
-        return bool(self._jobs)
+    def queued(self) -> int:
+        """How many keys had a compile queued and have not taken their choice since."""
+        return len(self._jobs)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every queued compile has finished; False if ``timeout`` seconds passed first."""
@@ -187,7 +185,8 @@ class Background:
                 job.set_exception(failure)
                 worker = None
                 continue
-            self.log.append((queued, time.perf_counter(), seconds))
+            logger.debug("sparseconv: background compile done after %.1f s in the queue, %.1f s compiling",
+                         time.perf_counter() - queued - seconds, seconds)
             if error is None:
                 job.set_result(None)
             else:

@@ -156,9 +156,9 @@ class Tuner:
         ``timeout`` seconds passed first. The next call of each such layer then runs its choice."""
         return self._background.wait(timeout)
 
-    def compiling(self) -> bool:
-        """Whether a layer ran the reference because its kernels were compiling in the background
-        and has not run its choice since (see :meth:`wait_for_compiles`)."""
+    def compiling(self) -> int:
+        """How many products ran the reference because their kernels were compiling in the
+        background and have not run their choice since (0: none; see :meth:`wait_for_compiles`)."""
         return self._background.queued()
 
     def _decide(

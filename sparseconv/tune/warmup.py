@@ -19,8 +19,9 @@ def warmup(model: nn.Module, example_input: object) -> None:
     while their kernels compiled in the background (:func:`sparseconv.tune.wait_for_compiles`),
     it waits for them and runs the model once more, so that every choice is compiled and loaded
     before a capture. It also hands the kernel-map keys of this batch to
-    :mod:`sparseconv.ops.compiled`, so a compiled model builds a new batch's maps in one go. Afterwards the parameters' gradients and the buffers (BatchNorm statistics)
-    are as before; the backward pass uses all-ones output gradients (tuning depends on shapes only).
+    :mod:`sparseconv.ops.compiled`, so a compiled model builds a new batch's maps in one go.
+    Afterwards the parameters' gradients and the buffers (BatchNorm statistics) are as before; the
+    backward pass uses all-ones output gradients (tuning depends on shapes only).
     A ``torch.compile``-d module is run through its original module.
     """
     if torch.compiler.is_compiling():
