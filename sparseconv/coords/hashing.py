@@ -9,6 +9,7 @@ they are ordered with the surrounding torch work without extra synchronisation.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -170,19 +171,66 @@ def _kernels():
 
 
 def _launch(kernel, dim, inputs, device: torch.device) -> None:
-    """Launch a Warp kernel on ``device``; tensors in ``inputs`` are passed as Warp array
-    descriptors (``from_torch(return_ctype=True)``), on CUDA on torch's current stream."""
+    """Launch a Warp kernel on ``device`` (tensors in ``inputs`` as Warp array descriptors, other
+    values plain ints), on CUDA on torch's current stream.
+
+    ``wp.launch`` resolves the device, module and hooks and packs every argument on each call:
+    ~170 us of host time a launch under cProfile on an H100 host (2026-11-25, 14 launches a
+    MinkUNet pass). The first launch of a kernel on a device (per thread) is recorded
+    (``record_cmd=True``); later ones set that command's size and arguments and launch it.
+    """
     wp = _kernels()[0]
-    args = [wp.from_torch(x, return_ctype=True) if isinstance(x, torch.Tensor) else x for x in inputs]
-    if device.type == "cuda":
-        wp.launch(kernel, dim=dim, inputs=args, device=_warp_device(device), stream=_warp_stream(device))
+    args = [_descriptor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+    stream = _warp_stream(device) if device.type == "cuda" else None
+    recorded = getattr(_RECORDED, "commands", None)
+    if recorded is None:
+        recorded = _RECORDED.commands = {}
+    command = recorded.get((kernel, device))
+    if command is None:
+        command = recorded[(kernel, device)] = wp.launch(
+            kernel, dim=dim, inputs=args, device=_warp_device(device) if stream is not None else "cpu",
+            record_cmd=True)
     else:
-        wp.launch(kernel, dim=dim, inputs=args, device="cpu")
+        command.set_dim(dim)
+        for index, arg in enumerate(args):
+            command.set_param_at_index_from_ctype(index, arg)
+    command.launch(stream)
 
 
-# wp.stream_from_torch and wp.from_torch build a new wp.Stream and wp.array objects on every call;
-# under cProfile on an H100 (2026-11-25) one MinkUNet pass spent 3 ms in 60 conversions and 5 ms
-# in 14 launches. The stream wrapper is kept per torch stream and tensors go as descriptors.
+_RECORDED = threading.local()
+"""Per thread, (kernel, device) -> its recorded ``wp.Launch``: a command's arguments are set in
+place before it launches, so two threads must not share one (autograd runs backward on its own)."""
+
+
+def _descriptor(tensor: torch.Tensor):
+    """The Warp array descriptor of ``tensor`` (what ``wp.from_torch(return_ctype=True)`` returns,
+    without its per-call dtype lookup and gradient handling: ~3x cheaper)."""
+    made = _descriptor_type()
+    if made is None:
+        return _kernels()[0].from_torch(tensor, return_ctype=True)
+    size = tensor.element_size()
+    return made(tensor.data_ptr(), 0, tensor.dim(), tensor.shape, [s * size for s in tensor.stride()])
+
+
+@functools.cache
+def _descriptor_type():
+    """Warp's descriptor class if building one directly gives what from_torch gives, else None."""
+    wp = _kernels()[0]
+    sample = torch.arange(6, dtype=torch.int32).view(2, 3)[:, 1:]
+    reference = wp.from_torch(sample, return_ctype=True)
+    made = type(reference)
+    try:
+        built = made(sample.data_ptr(), 0, sample.dim(), sample.shape, [s * 4 for s in sample.stride()])
+    except TypeError:
+        return None
+    fields = [name for name, _ in made._fields_]
+    same = all(bytes(memoryview(getattr(built, f)).cast("B")) == bytes(memoryview(getattr(reference, f)).cast("B"))
+               if not isinstance(getattr(built, f), int) else getattr(built, f) == getattr(reference, f)
+               for f in fields)
+    return made if same else None
+
+
+# wp.stream_from_torch builds a new wp.Stream on every call: the wrapper is kept per torch stream.
 _STREAMS: dict[tuple[int, int], object] = {}
 
 
@@ -193,13 +241,14 @@ def _warp_device(device: torch.device):
 
 def _warp_stream(device: torch.device):
     """The Warp stream wrapping torch's current stream on ``device`` (made once per stream)."""
-    current = torch.cuda.current_stream(device)
-    key = (current.device_index, current.cuda_stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~20x cheaper than torch.cuda.current_stream
+    key = (index, raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream)
     stream = _STREAMS.get(key)
     if stream is None:
         if len(_STREAMS) > 256:  # streams made and dropped in a loop: do not hold them all
             _STREAMS.clear()
-        stream = _STREAMS[key] = _kernels()[0].stream_from_torch(current)
+        stream = _STREAMS[key] = _kernels()[0].stream_from_torch(torch.cuda.current_stream(index))
     return stream
 
 
@@ -227,7 +276,7 @@ class CoordHashTable:
             _launch(
                 insert,
                 n,
-                [packed, keys, values, wp.int64(capacity - 1)],
+                [packed, keys, values, capacity - 1],
                 coords.device,
             )
         return cls(keys, values)
@@ -246,7 +295,7 @@ class CoordHashTable:
                     offsets.to(device=coords.device, dtype=torch.int32).contiguous(),
                     self.keys,
                     self.values,
-                    wp.int64(self.keys.shape[0] - 1),
+                    self.keys.shape[0] - 1,
                     out,
                 ],
                 coords.device,
