@@ -317,7 +317,12 @@ class _FastLaunches:
         self.stream = raw if raw is not None else (lambda device: torch.cuda.current_stream(device).cuda_stream)
 
     def hooks(self) -> bool:
-        return self._runtime.launch_enter_hook is not None or self._runtime.launch_exit_hook is not None
+        """Whether a launch hook is set (a profiler's): Triton's knobs hold chains of them, empty by default."""
+        return _set(self._runtime.launch_enter_hook) or _set(self._runtime.launch_exit_hook)
+
+
+def _set(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 @functools.cache
