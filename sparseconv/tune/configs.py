@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 T = TypeVar("T", bound="Config")
@@ -62,11 +64,12 @@ class Candidate(Config):
     def of(cls, backend: str, params: Mapping[str, Any] | None = None) -> Candidate:
         return cls(backend, tuple((params or {}).items()))
 
-    @property
-    def params_dict(self) -> dict[str, Any]:
-        return dict(self.params)
+    @functools.cached_property
+    def params_dict(self) -> Mapping[str, Any]:
+        """The parameters as a read-only mapping (made once: every conv call of a layer passes it)."""
+        return MappingProxyType(dict(self.params))
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
         """``backend`` or ``backend[k=v,...]``: the name shown in logs and stored in the cache."""
         if not self.params:

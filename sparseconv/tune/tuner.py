@@ -135,7 +135,7 @@ class Tuner:
             backend = registry.get(candidate.backend)
             if backend.precompile is None:
                 continue
-            job, params = (memo, candidate.id), candidate.params_dict
+            job, params = (memo, candidate.id), dict(candidate.params_dict)
             compiles = (candidate.id, *sizeless) if backend.compiles is None else backend.compiles(namespace, problem,
                                                                                                  params)
             if not self._background.ready(job, backend.precompile, (namespace, problem, params, shape), compiles):
