@@ -27,7 +27,10 @@ A peer whose training fails with its default algorithm trains with ConvAlgo.Nati
   maps / syncs      kernel maps a pass queries (a transposed conv's map is the transpose of
                     its strided conv's, not queried); host syncs torch reports in one new-coordinate
                     inference (torch.cuda.set_sync_debug_mode), ours only
-A second table times map building: for subm3, a 16-channel conv on a fresh tensor minus the
+A second table times ours and each peer in alternating rounds (new coordinates, inference rounds
+then training rounds, the order rotating): the ratio lines come from it, since timing one library
+after the other let host drift between them move the ratios by tens of percent.
+A last table times map building: for subm3, a 16-channel conv on a fresh tensor minus the
 same conv with its map cached; for down2 (k2 s2), the whole fresh conv, since spconv cannot
 reuse a strided conv's map.
 
@@ -305,6 +308,39 @@ def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
         return {"error": f"n/a ({type(error).__name__}: {str(error)[:80]})"}
 
 
+def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats: int) -> dict[str, dict]:
+    """{library: {"infer": ms, "step": ms}}: new-coordinate inference and training step timed in
+    rounds that alternate the libraries (the order rotating every round), inference rounds first.
+
+    The per-library rows above time each library's columns one after the other; on a shared
+    host the same pass drifted by 30-40% between such runs (H100, 2026-11-25), which moved the
+    ratios more than most changes do. Alternating puts that drift on every library alike.
+    """
+    runners = {}
+    for library in libraries:
+        if library == "ours_deterministic" or "error" in rows.get(library, {"error": True}):
+            continue
+        native = library in ("spconv", "spconv_triton") and "note" in rows[library]  # as its row trained
+        runners[library] = Runner(library, coords, dtype, device, native=native)
+    for runner in runners.values():
+        for _ in range(2):
+            runner.infer()
+            runner.step()
+    sparseconv.tune.wait_for_compiles()
+    times = {library: {"infer": [], "step": []} for library in runners}
+    names = list(runners)
+    for kind in ("infer", "step"):
+        for round_ in range(repeats):
+            for library in names[round_ % len(names):] + names[: round_ % len(names)]:
+                fn = getattr(runners[library], kind)
+                sync(device)
+                start = time.perf_counter()
+                fn()
+                sync(device)
+                times[library][kind].append(1e3 * (time.perf_counter() - start))
+    return {library: {kind: statistics.median(v) for kind, v in kinds.items()} for library, kinds in times.items()}
+
+
 def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> float | str:
     """One conv (16 -> 16 channels) on a fresh tensor minus the same conv with its map cached."""
     feats = torch.randn(len(coords), 16, device=device)
@@ -430,6 +466,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
     parser.add_argument("--profile", action="store_true", help="profile one new-coordinate inference of ours first")
     parser.add_argument("--no-maps", dest="maps", action="store_false", help="skip the map-build table")
+    parser.add_argument("--no-interleave", dest="interleave", action="store_false",
+                        help="skip the alternating-rounds table (and the ratios it gives)")
     parser.add_argument("--deterministic", action="store_true",
                         help="also run ours in deterministic mode (the row ours_deterministic)")
     args = parser.parse_args()
@@ -445,7 +483,7 @@ def main() -> None:
     columns = ["infer", "step", "infer=", "step=", "host", "gpu", "peak GB", "first", "1st step", "maps", "syncs"]
     print("| scene | N | dtype | library | " + " | ".join(columns) + " |")
     print("|---" * (4 + len(columns)) + "|")
-    speedups = []
+    speedups, alternated = [], {}
     for scene, coords in scenes.items():
         for dtype_name in args.dtypes:
             rows = {}
@@ -454,12 +492,21 @@ def main() -> None:
                 cells = [row["error"]] if "error" in row else [fmt(row.get(c)) for c in columns]
                 label = library + (f" ({row['note']})" if "note" in row else "")
                 print(f"| {scene} | {len(coords)} | {dtype_name} | {label} | " + " | ".join(cells) + " |", flush=True)
-            anchor = rows.get("spconv", {})
-            if "infer" in anchor and "infer" in rows["ours"]:
-                speedups.append((scene, dtype_name, anchor["infer"] / rows["ours"]["infer"],
-                                 anchor["step"] / rows["ours"]["step"], rows["ours"]["peak GB"], anchor["peak GB"]))
+            if args.interleave and len(libraries) > 1:
+                both = interleaved(coords, getattr(torch, dtype_name), device, libraries, rows, args.repeats)
+                alternated[(scene, dtype_name)] = both
+                anchor, ours = both.get("spconv"), both.get("ours")
+                if anchor is not None and ours is not None:
+                    speedups.append((scene, dtype_name, anchor["infer"] / ours["infer"], anchor["step"] / ours["step"],
+                                     rows["ours"].get("peak GB"), rows["spconv"].get("peak GB")))
+    if alternated:
+        print("\nalternating rounds (the ratios below): new coordinates, median ms of --repeats rounds")
+        print("| scene | dtype | library | infer | step |\n|---|---|---|---|---|")
+        for (scene, dtype_name), both in alternated.items():
+            for library, kinds in both.items():
+                print(f"| {scene} | {dtype_name} | {library} | {kinds['infer']:.2f} | {kinds['step']:.2f} |")
     for scene, dtype_name, infer, step, ours_gb, their_gb in speedups:
-        print(f"{scene} {dtype_name}: ours over spconv, new coordinates: inference {infer:.2f}x, "
+        print(f"{scene} {dtype_name}: ours over spconv, new coordinates, alternating rounds: inference {infer:.2f}x, "
               f"training step {step:.2f}x; peak memory {fmt(ours_gb)} vs {fmt(their_gb)} GB")
     if args.maps:
         print("\nkernel-map build (ms): subm3, one 16-channel conv on a fresh tensor minus the same conv with its map "
