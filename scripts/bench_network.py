@@ -320,7 +320,8 @@ def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats
     for library in libraries:
         if library == "ours_deterministic" or "error" in rows.get(library, {"error": True}):
             continue
-        native = library in ("spconv", "spconv_triton") and "note" in rows[library]  # as its row trained
+        # As its row trained on new coordinates: Native only if its default algorithm failed there.
+        native = "step" in rows[library].get("note", "").removeprefix("Native: ").split(", ")
         runners[library] = Runner(library, coords, dtype, device, native=native)
     for runner in runners.values():
         for _ in range(2):
