@@ -313,7 +313,7 @@ def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats
     rounds that alternate the libraries (the order rotating every round), inference rounds first.
 
     The per-library rows above time each library's columns one after the other; on a shared
-    host the same pass drifted by 30-40% between such runs (H100, 2026-11-25), which moved the
+    host the same pass drifted by up to 2x between such runs (H100, 2026-11-25), which moved the
     ratios more than most changes do. Alternating puts that drift on every library alike.
     """
     runners = {}

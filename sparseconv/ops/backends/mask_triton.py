@@ -83,7 +83,7 @@ def fused_row_order(table: torch.Tensor, lo: int, hi: int, counts: torch.Tensor)
     masks = torch.empty(rows, dtype=_mask_dtype(width), device=table.device)
     kernels = tk.kernels()
     args, options = _masks_launch(table, counts, masks, rows, table.stride(0), lo, width)
-    tk.launch(kernels.row_masks, (kernels.triton.cdiv(rows, MASK_ROWS),), *args, **options)
+    kernels.row_masks[(kernels.triton.cdiv(rows, MASK_ROWS),)](*args, **options)
     return torch.sort(masks, stable=True).indices
 
 
@@ -196,7 +196,7 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
             if tiles:
                 args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0),
                                              lo, width, block_m)
-                tk.launch(tk.kernels().tile_plan, (tiles,), *args, **options)
+                tk.kernels().tile_plan[(tiles,)](*args, **options)
             return used, offsets, counts, slots
         # The visited rows' sources, padded with "none" to whole tiles: the lists and the slots both read it.
         padded = torch.full((tiles * block_m, width), -1, dtype=torch.int32, device=device)
@@ -239,7 +239,7 @@ def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -
         grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
         args, options = _rows_launch(params, a.dtype, step, (a, w, slots, rows, offsets, counts, out),
                                      table.shape[0], reduce_dim, out_dim, offsets.shape[1], strides)
-        tk.launch(kernels.rows_gemm, grid, *args, **options)
+        kernels.rows_gemm[grid](*args, **options)
     return out
 
 
