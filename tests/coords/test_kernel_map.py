@@ -125,6 +125,39 @@ def test_hash_table_finds_every_key_and_nothing_else_at_the_range_limits(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_tables_built_on_several_threads_at_once_find_their_own_keys(device):
+    # Warp launches replay a recorded command whose arguments are set in place (one per thread):
+    # threads building tables of different sizes at once must each get their own results.
+    import sys
+    import threading
+
+    clouds = [torch.randint(0, 60, (n, 4), dtype=torch.int32).unique(dim=0).to(device) for n in (300, 900, 2000)]
+    probe = torch.tensor([[0, 0, 0], [1, 0, 0]], dtype=torch.int32, device=device)
+    expected = [CoordHashTable.build(rows).neighbors(rows, probe).cpu() for rows in clouds]
+    failures = []
+
+    def build(which: int) -> None:
+        for _ in range(40):
+            rows = clouds[which]
+            found = CoordHashTable.build(rows).neighbors(rows, probe).cpu()
+            if not torch.equal(found, expected[which]):
+                failures.append(which)
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(len(clouds))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between almost any two bytecodes: races show up
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures
+    assert all(torch.equal(e[:, 0], torch.arange(len(rows), dtype=torch.int32)) for e, rows in zip(expected, clouds))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layer", ["subm3", "down2", "up2"])
 def test_derived_views_equal_those_recomputed_on_the_cpu_from_the_neighbour_table(layer, device):
     # The views take device-specific paths (pairs by nonzero_static, the transposed table by a
