@@ -225,7 +225,8 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
     return 1e3 * statistics.median(walls), 1e3 * statistics.median(hosts)
 
 
-def first_call_ms(fn, device: torch.device) -> float:
+def one_call_ms(fn, device: torch.device) -> float:
+    """Milliseconds of one call of ``fn``, the device idle before and drained after."""
     sync(device)
     start = time.perf_counter()
     fn()
@@ -262,7 +263,7 @@ def count_syncs(fn, device: torch.device) -> int | str:
 
 def train_columns(runner: Runner, device, repeats: int, row: dict) -> None:
     """The training columns, into ``row`` one by one (those measured before a failure stay)."""
-    for column, measure in (("1st step", lambda: first_call_ms(runner.step, device)),
+    for column, measure in (("1st step", lambda: one_call_ms(runner.step, device)),
                             ("step", lambda: timed(runner.step, device, repeats)[0]),
                             ("peak GB", lambda: peak_gb(runner.step, device)),
                             ("step=", lambda: timed(lambda: runner.step(same=True), device, repeats)[0])):
@@ -279,7 +280,7 @@ def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
             sparseconv.set_deterministic(previous)
     try:
         runner = Runner(name, coords, dtype, device)
-        row = {"first": first_call_ms(runner.infer, device)}
+        row = {"first": one_call_ms(runner.infer, device)}
         row["infer"], row["host"] = timed(runner.infer, device, repeats)
         row["infer="], _ = timed(lambda: runner.infer(same=True), device, repeats)
         row["gpu"] = gpu_ms(runner.infer, device)
@@ -294,9 +295,9 @@ def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
             # before the failure keep the default algorithm's numbers.
             print(f"{name}: training failed ({type(error).__name__}: {str(error)[:300]}); "
                   "the remaining training columns with ConvAlgo.Native", flush=True)
-            native = [k for k in ("step", "peak GB", "step=") if k not in row]
+            row["native"] = [k for k in ("step", "peak GB", "step=") if k not in row]
             train_columns(Runner(name, coords, dtype, device, native=True), device, repeats, row)
-            row["note"] = "Native: " + ", ".join(native)
+            row["note"] = "Native: " + ", ".join(row["native"])
         if name == "ours":
             x = runner.make_input(False)
             with torch.no_grad():
@@ -321,8 +322,7 @@ def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats
         if library == "ours_deterministic" or "error" in rows.get(library, {"error": True}):
             continue
         # As its row trained on new coordinates: Native only if its default algorithm failed there.
-        native = "step" in rows[library].get("note", "").removeprefix("Native: ").split(", ")
-        runners[library] = Runner(library, coords, dtype, device, native=native)
+        runners[library] = Runner(library, coords, dtype, device, native="step" in rows[library].get("native", ()))
     for runner in runners.values():
         for _ in range(2):
             runner.infer()
@@ -333,12 +333,7 @@ def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats
     for kind in ("infer", "step"):
         for round_ in range(repeats):
             for library in names[round_ % len(names):] + names[: round_ % len(names)]:
-                fn = getattr(runners[library], kind)
-                sync(device)
-                start = time.perf_counter()
-                fn()
-                sync(device)
-                times[library][kind].append(1e3 * (time.perf_counter() - start))
+                times[library][kind].append(one_call_ms(getattr(runners[library], kind), device))
     return {library: {kind: statistics.median(v) for kind, v in kinds.items()} for library, kinds in times.items()}
 
 
