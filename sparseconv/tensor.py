@@ -9,7 +9,7 @@ import torch
 
 from ._args import Triple, triple
 from .coords.cache import CoordinateCache
-from .coords.hashing import pack_coords, range_violation_of, unpack_keys
+from .coords.hashing import CoordHashTable, range_violation_of, unpack_keys
 
 DUPLICATE_MODES = ("error", "sum", "mean")
 _WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
@@ -39,12 +39,13 @@ class SparseTensor:
         coords = _as_tensor(coords, "coords")
         feats = _as_tensor(feats, "feats")
         stride = triple(stride, "stride")
-        keys = None
+        keys = table = None
         if validate:
-            coords, feats, keys = _validated(coords, feats, stride, on_duplicate)
+            coords, feats, keys, table = _validated(coords, feats, stride, on_duplicate)
         self.feats = feats
         self.cache = CoordinateCache(coords.device)
-        self.coord_id = self.cache.add(coords.to(torch.int32).contiguous(), stride, canonical=True, keys=keys)
+        self.coord_id = self.cache.add(coords.to(torch.int32).contiguous(), stride, canonical=True, keys=keys,
+                                       table=table)
 
     @classmethod
     def _derived(cls, feats: torch.Tensor, cache: CoordinateCache, coord_id: int) -> SparseTensor:
@@ -183,8 +184,9 @@ def _int3(value: Sequence[int], name: str) -> tuple[int, int, int]:
 
 def _validated(
     coords: torch.Tensor, feats: torch.Tensor, stride: Triple, on_duplicate: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(coords int32, feats, their packed keys or None), duplicates merged as ``on_duplicate`` says."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CoordHashTable | None]:
+    """(coords int32, feats, their packed keys, their hash table), duplicates merged as
+    ``on_duplicate`` says (keys and table None where not made here)."""
     if coords.dim() != 2 or coords.shape[1] != 4:
         raise ValueError(f"coords must have shape (N, 4) as [batch, x, y, z], got {tuple(coords.shape)}")
     if coords.is_floating_point() or coords.is_complex() or coords.dtype == torch.bool:
@@ -211,20 +213,24 @@ def _validated(
     if on_duplicate not in DUPLICATE_MODES:
         raise ValueError(f"on_duplicate must be one of {DUPLICATE_MODES}, got {on_duplicate!r}")
     if coords.shape[0] == 0:
-        return coords.to(torch.int32), feats, None
-    # Every check's statistic comes back in one transfer: one host sync for a new batch.
-    off_grid = [(coords[:, 1 + axis] % s != 0).any() for axis, s in enumerate(stride) if s > 1]
-    keys = pack_coords(coords)  # meaningless where out of range, and then not used
-    ordered = torch.sort(keys).values
-    repeated = (ordered[1:] == ordered[:-1]).any()
-    stats = torch.cat([coords.amin(0).long(), coords.amax(0).long(), torch.stack([repeated, *off_grid]).long()]).tolist()
-    lo, hi, (has_duplicates, *outside) = stats[:4], stats[4:8], stats[8:]
-    if lo[0] < 0:
-        raise ValueError(f"coords: batch indices (column 0) must be >= 0, got {lo[0]}")
-    problem = range_violation_of(lo, hi)
-    if problem is not None:
-        raise ValueError(f"coords out of the supported range: {problem}")
-    if any(outside):
+        return coords.to(torch.int32), feats, None, None
+    if coords.dtype != torch.int32:
+        # Saturating, so that a value beyond int32 stays out of the packable range (the kernel flags it).
+        info = torch.iinfo(torch.int32)
+        narrow = (coords.clamp(info.min, info.max) if coords.dtype == torch.int64 else coords).to(torch.int32)
+    else:
+        narrow = coords
+    # The range, grid and duplicate checks and the set's hash table in one kernel, read in one
+    # transfer: one host sync for a new batch, and no sort.
+    table, keys, flags = CoordHashTable.build_checked(narrow, stride)
+    out_of_range, off_grid, has_duplicates = (flag > 0 for flag in flags.tolist())
+    if out_of_range:
+        wide = coords.long()
+        lo, hi = wide.amin(0).tolist(), wide.amax(0).tolist()
+        if lo[0] < 0:
+            raise ValueError(f"coords: batch indices (column 0) must be >= 0, got {lo[0]}")
+        raise ValueError(f"coords out of the supported range: {range_violation_of(lo, hi)}")
+    if off_grid:
         off = (coords[:, 1:] % torch.tensor(stride, device=coords.device) != 0).any(dim=1)
         row = int(off.nonzero()[0, 0])
         raise ValueError(
@@ -232,7 +238,7 @@ def _validated(
             f"row {row} is {coords[row].tolist()}"
         )
     if not has_duplicates:
-        return coords.to(torch.int32), feats, keys
+        return narrow, feats, keys, table
     unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
     if on_duplicate == "error":
         repeated_row = unpack_keys(unique[counts > 1][:1])[0].tolist()
@@ -243,4 +249,4 @@ def _validated(
     merged = feats.new_zeros((unique.shape[0], feats.shape[1])).index_add(0, inverse, feats)
     if on_duplicate == "mean":
         merged = merged / counts.to(merged.dtype)[:, None]
-    return unpack_keys(unique), merged, unique
+    return unpack_keys(unique), merged, unique, None

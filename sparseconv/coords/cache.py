@@ -40,9 +40,10 @@ class CoordinateCache:
         self._maps: dict[KernelMapKey, tuple[KernelMap, int]] = {}
         self._moved: weakref.WeakValueDictionary[str, CoordinateCache] = weakref.WeakValueDictionary()
 
-    def add(self, coords: torch.Tensor, stride: Triple, canonical: bool, keys: torch.Tensor | None = None) -> int:
-        """Register a coordinate set (and its packed keys, if known) and return its id (canonical
-        only if the stride has none yet)."""
+    def add(self, coords: torch.Tensor, stride: Triple, canonical: bool, keys: torch.Tensor | None = None,
+            table: CoordHashTable | None = None) -> int:
+        """Register a coordinate set (and its packed keys and hash table, if made already) and return
+        its id (canonical only if the stride has none yet)."""
         canonical = canonical and stride not in self._canonical
         self._sets.append(CoordSet(coords, stride, canonical))
         set_id = len(self._sets) - 1
@@ -50,6 +51,8 @@ class CoordinateCache:
             self._canonical[stride] = set_id
         if keys is not None:
             self._keys[set_id] = keys
+        if table is not None:
+            self._tables[set_id] = table
         return set_id
 
     @functools.cached_property

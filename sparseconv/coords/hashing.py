@@ -116,6 +116,24 @@ def _kernels():
         h = h ^ (h >> wp.uint64(31))
         return wp.int64(h) & mask
 
+    @wp.func
+    def insert_key(key: wp.int64, row: wp.int32, table_keys: wp.array(dtype=wp.int64),
+                   table_values: wp.array(dtype=wp.int32), mask: wp.int64) -> wp.bool:
+        """Insert ``key`` -> ``row``; True if the key was there already (a duplicate row)."""
+        slot = home_slot(key, mask)
+        probes = wp.int64(0)
+        while probes <= mask:
+            previous = wp.atomic_cas(table_keys, slot, wp.int64(-1), key)
+            if previous == wp.int64(-1):
+                table_values[slot] = row
+                return False
+            if previous == key:
+                # Exactly one insert of a key finds the slot empty: every other one is a duplicate.
+                return True
+            slot = (slot + wp.int64(1)) & mask
+            probes += wp.int64(1)
+        return False
+
     @wp.kernel
     def insert(
         keys: wp.array(dtype=wp.int64),
@@ -124,17 +142,36 @@ def _kernels():
         mask: wp.int64,
     ):
         i = wp.tid()
-        key = keys[i]
-        slot = home_slot(key, mask)
-        probes = wp.int64(0)
-        while probes <= mask:
-            previous = wp.atomic_cas(table_keys, slot, wp.int64(-1), key)
-            if previous == wp.int64(-1) or previous == key:
-                # Keys are unique (checked by the caller), so each slot's value has one writer.
-                table_values[slot] = wp.int32(i)
-                return
-            slot = (slot + wp.int64(1)) & mask
-            probes += wp.int64(1)
+        # Keys are unique (checked by the caller), so each slot's value has one writer.
+        insert_key(keys[i], wp.int32(i), table_keys, table_values, mask)
+
+    @wp.kernel
+    def insert_checked(
+        coords: wp.array2d(dtype=wp.int32),
+        sx: wp.int32,
+        sy: wp.int32,
+        sz: wp.int32,
+        keys: wp.array(dtype=wp.int64),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+        flags: wp.array(dtype=wp.int64),
+    ):
+        # A new SparseTensor's checks and its hash table in one pass: flags[0] is set (1) by a row out of
+        # range, flags[1] by a row off its stride's grid, flags[2] by a repeated row.
+        i = wp.tid()
+        b = coords[i, 0]
+        x = coords[i, 1]
+        y = coords[i, 2]
+        z = coords[i, 3]
+        if x % sx != 0 or y % sy != 0 or z % sz != 0:
+            flags[1] = wp.int64(1)
+        key = pack(b, x, y, z)
+        keys[i] = key
+        if key < wp.int64(0):
+            flags[0] = wp.int64(1)
+        elif insert_key(key, wp.int32(i), table_keys, table_values, mask):
+            flags[2] = wp.int64(1)
 
     @wp.kernel
     def query_neighbors(
@@ -167,7 +204,7 @@ def _kernels():
                 probes += wp.int64(1)
         neighbors[i, k] = found
 
-    return wp, insert, query_neighbors
+    return wp, insert, query_neighbors, insert_checked
 
 
 def _launch(kernel, dim, inputs, device: torch.device) -> None:
@@ -249,6 +286,18 @@ def _warp_stream(device: torch.device):
     return stream
 
 
+def _capacity(rows: int) -> int:
+    """Table slots for ``rows`` keys: a power of two, load factor <= 0.5 (linear-probe chains stay
+    short, ~1.5 probes a hit)."""
+    return max(16, 1 << (2 * max(rows, 1) - 1).bit_length())
+
+
+def _values(capacity: int, device: torch.device) -> torch.Tensor:
+    """A table's row-index slots. No fill: a value is read only where its slot's key matched,
+    i.e. after its insert wrote it."""
+    return torch.empty((capacity,), dtype=torch.int32, device=device)
+
+
 @dataclass(frozen=True)
 class CoordHashTable:
     """Hash table of one coordinate set: keys (capacity,) int64, values (capacity,) int32 row indices."""
@@ -262,28 +311,39 @@ class CoordHashTable:
 
         packed: their (N,) int64 :func:`pack_coords` keys, if the caller has them already."""
         n = coords.shape[0]
-        # Load factor <= 0.5 keeps linear-probe chains short (expected ~1.5 probes per hit).
-        capacity = max(16, 1 << (2 * max(n, 1) - 1).bit_length())
-        keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
-        # A value is read only where its slot's key matched, i.e. after its insert wrote it: no fill.
-        values = torch.empty((capacity,), dtype=torch.int32, device=coords.device)
+        keys = torch.full((_capacity(n),), EMPTY_KEY, dtype=torch.int64, device=coords.device)
+        table = cls(keys, _values(keys.shape[0], keys.device))
         if n:
-            wp, insert, _ = _kernels()
             packed = (pack_coords(coords) if packed is None else packed).contiguous()
-            _launch(
-                insert,
-                n,
-                [packed, keys, values, capacity - 1],
-                coords.device,
-            )
-        return cls(keys, values)
+            _launch(_kernels()[1], n, [packed, keys, table.values, keys.shape[0] - 1], coords.device)
+        return table
+
+    @classmethod
+    def build_checked(cls, coords: torch.Tensor, stride: tuple[int, int, int]
+                      ) -> tuple[CoordHashTable, torch.Tensor, torch.Tensor]:
+        """A new coordinate set's checks, keys and table in one kernel (no sort, no host sync).
+
+        coords: (N, 4) int32, N > 0. Returns (the table, the (N,) int64 :func:`pack_coords` keys,
+        (3,) int64 flags): flags[0] is 1 if some row is out of the packable range (its key is then
+        -1), flags[1] if some x, y, z is not a multiple of ``stride``, flags[2] if some row is
+        repeated; -1 where not. The table and keys are valid only if no flag is set.
+        """
+        n = coords.shape[0]
+        capacity = _capacity(n)
+        # One allocation, one fill: the empty table (-1 keys), the keys (all written) and the flags (-1 = clear).
+        buffer = torch.full((capacity + n + 3,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
+        table = cls(buffer[:capacity], _values(capacity, buffer.device))
+        keys, flags = buffer[capacity: capacity + n], buffer[capacity + n:]
+        _launch(_kernels()[3], n, [coords.contiguous(), *stride, keys, table.keys, table.values, capacity - 1, flags],
+                coords.device)
+        return table, keys, flags
 
     def neighbors(self, coords: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """coords: (M, 4) int32, offsets: (K, 3) int32 -> (M, K) int32 row of coords[i] + offsets[k], -1 if absent."""
         m, k = coords.shape[0], offsets.shape[0]
         out = torch.empty((m, k), dtype=torch.int32, device=coords.device)
         if m and k:
-            wp, _, query = _kernels()
+            query = _kernels()[2]
             _launch(
                 query,
                 (m, k),

@@ -11,7 +11,7 @@ from sparse_reference import brute_force_map, offsets
 
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey, center_offset, offset_deltas
-from sparseconv.coords.hashing import COORD_MAX, COORD_MIN, CoordHashTable
+from sparseconv.coords.hashing import COORD_MAX, COORD_MIN, CoordHashTable, pack_coords
 
 
 @st.composite
@@ -206,3 +206,34 @@ def test_a_strided_map_and_its_transpose_know_their_pair_total_without_counting(
         total = kernel_map.num_pairs
         assert "pair_counts" not in vars(kernel_map)  # not counted on the host
         assert total == int((kernel_map.neighbors >= 0).sum()) == len(coords)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=coordinate_sets(), repeats=st.lists(st.integers(0, 59), max_size=3), stride=st.sampled_from([1, 2]),
+       off_grid=st.booleans(), out_of_range=st.sampled_from([None, "batch", "low", "high"]))
+def test_checked_build_flags_exactly_what_the_input_breaks_and_builds_the_table(
+        rows, repeats, stride, off_grid, out_of_range, device):
+    rows = [(b, x * stride, y * stride, z * stride) for b, x, y, z in rows]
+    if not rows:
+        return
+    planted = [rows[i % len(rows)] for i in repeats]
+    if off_grid and stride > 1:
+        planted.append((0, rows[0][1] + 1, rows[0][2], rows[0][3]))
+    edge = {"batch": (-1, 0, 0, 0), "low": (0, COORD_MIN - stride, 0, 0), "high": (0, 0, 0, COORD_MAX + 1)}
+    if out_of_range is not None:
+        planted.append(edge[out_of_range])
+    order = torch.randperm(len(rows) + len(planted))
+    coords = torch.tensor(rows + planted, dtype=torch.int32)[order].to(device)
+    table, keys, flags = CoordHashTable.build_checked(coords, (stride,) * 3)
+    expected = [out_of_range is not None, bool(off_grid and stride > 1),
+                len(set(map(tuple, coords.tolist()))) < len(coords)]
+    assert [f > 0 for f in flags.tolist()] == expected
+    if any(expected):
+        return
+    assert torch.equal(keys, pack_coords(coords))
+    # The table answers like one built from the keys: every row finds itself, a shifted row finds its own or nothing.
+    reference = CoordHashTable.build(coords)
+    shift = torch.tensor([[0, 0, 0], [stride, 0, 0]], dtype=torch.int32, device=device)
+    assert torch.equal(table.neighbors(coords, shift), reference.neighbors(coords, shift))
+    assert table.neighbors(coords, shift)[:, 0].tolist() == list(range(len(coords)))
