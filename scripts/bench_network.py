@@ -9,7 +9,10 @@ stages [256, 128, 96, 96] of a k2 s2 transposed conv, a skip concatenation and t
 blocks, then a 1x1x1 head; weights in the benchmark dtype. "naive torch" is our network with
 every product pinned to explicit_gemm (gather, mm, scatter-add in torch). With --deterministic,
 "ours_deterministic" is ours in deterministic mode (sparseconv.set_deterministic(True): only
-atomics-free algorithms), the row after ours: what bitwise-repeatable runs cost.
+atomics-free algorithms), the row after ours: what bitwise-repeatable runs cost. With --lazy-maps,
+"ours_lazy_maps" is ours with SPARSECONV_PLAN_MAPS=0 (each kernel map built when a layer first asks
+for it, instead of a new batch building the maps the last batches asked for at once), in the
+alternating rounds too: what planning the maps saves.
 
 Columns, per scene, dtype and library (milliseconds unless named; medians of --repeats):
   infer / step      inference (no_grad, eval) and one training step (forward, cross-entropy,
@@ -25,8 +28,9 @@ Columns, per scene, dtype and library (milliseconds unless named; medians of --r
                     scripts/bench_cold_start.py for the steps after the first)
 A peer whose training fails with its default algorithm trains with ConvAlgo.Native, marked.
   maps / syncs      kernel maps a pass queries (a transposed conv's map is the transpose of
-                    its strided conv's, not queried); host syncs torch reports in one new-coordinate
-                    inference (torch.cuda.set_sync_debug_mode), ours only
+  / warp            its strided conv's, not queried); host syncs torch reports in one new-coordinate
+                    inference (torch.cuda.set_sync_debug_mode); Warp launches (hash-table inserts
+                    and queries) in one; ours only
 A second table times ours and each peer in alternating rounds (new coordinates, inference rounds
 then training rounds, the order rotating): the ratio lines come from it, since timing one library
 after the other let host drift between them move the ratios by tens of percent.
@@ -37,6 +41,7 @@ reuse a strided conv's map.
     python scripts/bench_network.py                                   # 3 scenes x fp16, bf16 (minutes)
     python scripts/bench_network.py --scenes street1 --dtypes float16 --peers spconv
     python scripts/bench_network.py --scenes street1 street4 room2 --dtypes float16 --peers --deterministic
+    python scripts/bench_network.py --scenes street1 room2 --dtypes float16 --peers spconv --lazy-maps
     python scripts/bench_network.py --device cpu --scale 0.05 --repeats 2 --peers naive   # dry run
 """
 
@@ -45,6 +50,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import functools
 import io
 import os
 import pstats
@@ -146,10 +152,15 @@ class AnchorBlock(nn.Module):
         return y.replace_feature(torch.relu(self.bn2(y.features) + skip))
 
 
+OURS = ("ours", "ours_lazy_maps", "naive")
+
+
 class Runner:
     """One library's network on one scene: how to make its input and read its logits."""
 
     def __init__(self, name: str, coords: torch.Tensor, dtype: torch.dtype, device: torch.device, native: bool = False):
+        self.lazy_maps = name == "ours_lazy_maps"
+        name = "ours" if self.lazy_maps else name
         self.name, self.coords, self.device = name, coords, device
         self.feats = torch.randn(len(coords), IN_CHANNELS, device=device, dtype=dtype)
         self.labels = torch.randint(0, NUM_CLASSES, (len(coords),), device=device)
@@ -162,6 +173,8 @@ class Runner:
             self.net = AnchorMinkUNet(self.spc, algo=self.spc.ConvAlgo.Native if native else None).to(device, dtype)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3)
         self._same = None
+        if self.lazy_maps:
+            self.infer, self.step = functools.partial(_lazily, self.infer), functools.partial(_lazily, self.step)
 
     def make_input(self, same: bool):
         if same and self._same is not None:
@@ -195,6 +208,19 @@ class Runner:
         loss = nn.functional.cross_entropy(self.logits(out).float(), self.labels)
         loss.backward()
         self.optimizer.step()
+
+
+def _lazily(fn, *args, **kwargs):
+    """``fn`` with SPARSECONV_PLAN_MAPS=0 (read when a batch asks for its first map)."""
+    previous = os.environ.get("SPARSECONV_PLAN_MAPS")
+    os.environ["SPARSECONV_PLAN_MAPS"] = "0"
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if previous is None:
+            del os.environ["SPARSECONV_PLAN_MAPS"]
+        else:
+            os.environ["SPARSECONV_PLAN_MAPS"] = previous
 
 
 def subm_maps(out) -> dict:
@@ -255,6 +281,24 @@ def peak_gb(fn, device: torch.device) -> float | str:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+def warp_launches(fn) -> int:
+    """Warp kernel launches (hash-table inserts and queries) of one call of ``fn``."""
+    from sparseconv.coords import hashing
+
+    launch, count = hashing._launch, [0]
+
+    def counting(*args):
+        count[0] += 1
+        return launch(*args)
+
+    hashing._launch = counting
+    try:
+        fn()
+    finally:
+        hashing._launch = launch
+    return count[0]
+
+
 def count_syncs(fn, device: torch.device) -> int | str:
     if device.type != "cuda":
         return "-"
@@ -298,12 +342,13 @@ def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
             row["native"] = [k for k in ("step", "peak GB", "step=") if k not in row]
             train_columns(Runner(name, coords, dtype, device, native=True), device, repeats, row)
             row["note"] = "Native: " + ", ".join(row["native"])
-        if name == "ours":
+        if name in ("ours", "ours_lazy_maps"):
             x = runner.make_input(False)
             with torch.no_grad():
                 runner.net.eval()(x)
             row["maps"] = sum(m.transpose_of is None for m in x.cache.kernel_maps())
             row["syncs"] = count_syncs(runner.infer, device)
+            row["warp"] = warp_launches(runner.infer)
         return row
     except Exception as error:  # noqa: BLE001 - a peer that cannot run a case is reported as n/a
         return {"error": f"n/a ({type(error).__name__}: {str(error)[:80]})"}
@@ -464,6 +509,8 @@ def main() -> None:
     parser.add_argument("--no-maps", dest="maps", action="store_false", help="skip the map-build table")
     parser.add_argument("--no-interleave", dest="interleave", action="store_false",
                         help="skip the alternating-rounds table (and the ratios it gives)")
+    parser.add_argument("--lazy-maps", action="store_true",
+                        help="also run ours with SPARSECONV_PLAN_MAPS=0 (the row ours_lazy_maps, alternating rounds too)")
     parser.add_argument("--deterministic", action="store_true",
                         help="also run ours in deterministic mode (the row ours_deterministic)")
     args = parser.parse_args()
@@ -472,11 +519,13 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}; torch {torch.__version__}; median of {args.repeats} passes (ms); "
           f"tuning cache {os.environ['SPARSECONV_CACHE_DIR']}")
-    libraries = ["ours", *(["ours_deterministic"] if args.deterministic else []), *args.peers]
+    libraries = ["ours", *(["ours_deterministic"] if args.deterministic else []),
+                 *(["ours_lazy_maps"] if args.lazy_maps else []), *args.peers]
     scenes = {scene: scene_coords(scene, args.scale).to(device) for scene in args.scenes}
     if args.profile:
         profile_ours(scenes[args.scenes[0]], getattr(torch, args.dtypes[0]), device)
-    columns = ["infer", "step", "infer=", "step=", "host", "gpu", "peak GB", "first", "1st step", "maps", "syncs"]
+    columns = ["infer", "step", "infer=", "step=", "host", "gpu", "peak GB", "first", "1st step", "maps", "syncs",
+               "warp"]
     print("| scene | N | dtype | library | " + " | ".join(columns) + " |")
     print("|---" * (4 + len(columns)) + "|")
     speedups, alternated = [], {}

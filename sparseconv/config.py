@@ -31,6 +31,8 @@ VARIABLES = {
     "SPARSECONV_BACKGROUND_COMPILE": ("1 (default): on a GPU, a layer whose algorithm is decided (tuning cache or "
                                       "shipped tunings) but not compiled yet runs the reference while it compiles "
                                       "in worker processes | 0: compile it in the call"),
+    "SPARSECONV_PLAN_MAPS": ("1 (default): a new batch builds the kernel maps the latest batches asked for at once "
+                             "(few launches, two host syncs) | 0: each map when a layer first asks for it"),
     "SPARSECONV_NVCC": "nvcc for the CUTLASS backends (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",
     "SPARSECONV_CUTLASS_DIR": "CUTLASS checkout or include directory (default: the nvidia-cutlass package's headers)",
     "SPARSECONV_DETERMINISTIC": "1: only deterministic algorithms (bitwise-repeatable runs); 0: never; "
@@ -67,6 +69,10 @@ def shipped_tunings() -> bool:
 
 def background_compile() -> bool:
     return _switch("SPARSECONV_BACKGROUND_COMPILE")
+
+
+def plan_maps() -> bool:
+    return _switch("SPARSECONV_PLAN_MAPS")
 
 
 def _switch(name: str) -> bool:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .hashing import COORD_BITS, COORD_MIN, CoordHashTable, pack_coords, range_violation, unpack_keys
+from . import plan
+from .hashing import COORD_MIN, CoordHashTable, floor_mask, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
 
 
@@ -38,6 +39,8 @@ class CoordinateCache:
         self._tables: dict[int, CoordHashTable] = {}
         self._keys: dict[int, torch.Tensor] = {}
         self._maps: dict[KernelMapKey, tuple[KernelMap, int]] = {}
+        self._record: plan.Record | None = None
+        self._planned: dict[KernelMapKey, tuple[KernelMap, int]] = {}  # built ahead, not asked for yet
         self._moved: weakref.WeakValueDictionary[str, CoordinateCache] = weakref.WeakValueDictionary()
 
     def add(self, coords: torch.Tensor, stride: Triple, canonical: bool, keys: torch.Tensor | None = None,
@@ -66,6 +69,9 @@ class CoordinateCache:
     def coord_set(self, set_id: int) -> CoordSet:
         return self._sets[set_id]
 
+    def set_count(self) -> int:
+        return len(self._sets)
+
     def canonical(self, stride: Triple) -> int | None:
         """Id of the canonical coordinate set at ``stride``, if any tensor of the batch has one."""
         return self._canonical.get(stride)
@@ -87,7 +93,16 @@ class CoordinateCache:
         """The kernel map for ``key`` and the id of its output coordinate set (built once, then reused)."""
         hit = self._maps.get(key)
         if hit is None:
-            hit = self._maps[key] = self._build(key)
+            hit = self._maps[key] = self._first_request(key)
+        return hit
+
+    def _first_request(self, key: KernelMapKey) -> tuple[KernelMap, int]:
+        if self._record is None:  # the batch's first map: the maps earlier batches asked for are built now
+            self._record, self._planned = plan.begin(self)
+        hit = self._planned.pop(key, None)
+        if hit is None:
+            hit = self._build(key)
+        self._record.note(self, key)
         return hit
 
     def built_map(self, key: KernelMapKey) -> tuple[KernelMap, int] | None:
@@ -136,8 +151,13 @@ class CoordinateCache:
         step = tuple(d * s for d, s in zip(key.dilation, out.stride if key.transposed else source.stride))
         offsets = _offsets(key.kernel_size, step, -1 if key.transposed else 1, self.device)
         neighbors = self.table(key.source).neighbors(out.coords, offsets)
+        return self.new_map(key, neighbors, out_id), out_id
+
+    def new_map(self, key: KernelMapKey, neighbors: torch.Tensor, out_id: int) -> KernelMap:
+        """The map of a regular or transposed ``key`` whose neighbour table was queried (``neighbors``:
+        (N_out, K) int32) onto the set ``out_id``, with what its geometry tells about it."""
         identity = center_offset(key.kernel_size) if out_id == key.source else None
-        kernel_map = KernelMap(neighbors, source.coords.shape[0], key.kernel_size, identity)
+        kernel_map = KernelMap(neighbors, self._sets[key.source].coords.shape[0], key.kernel_size, identity)
         # A kernel equal to its stride (undilated) whose window starts at the output cell's corner
         # (sizes 1 and 2: larger sizes centre it, see kernel_map) tiles the grid: each input lies in
         # the window of its own floored cell, which the output set holds. Knowing it lets backends
@@ -145,7 +165,7 @@ class CoordinateCache:
         kernel_map.each_input_once = (not key.transposed and not key.generative and key.kernel_size == key.stride
                                       and all(k <= 2 for k in key.kernel_size)
                                       and key.dilation == (1, 1, 1) and key.stride != (1, 1, 1))
-        return kernel_map, out_id
+        return kernel_map
 
     def _output_set(self, key: KernelMapKey, source: CoordSet) -> int:
         if key.transposed:
@@ -177,7 +197,7 @@ class CoordinateCache:
         if all(_power_of_two(s) and -COORD_MIN % s == 0 for s in out_stride):
             # Floor-to-multiple of a power of two that divides the key's coordinate bias clears the
             # low bits of each packed field: one AND, and the result stays in range.
-            coarse = torch.unique(self.keys(key.source) & _floor_mask(out_stride))
+            coarse = torch.unique(self.keys(key.source) & floor_mask(out_stride))
             return self.add(unpack_keys(coarse), out_stride, canonical=source.canonical, keys=coarse)
         step = _on_device((1, *out_stride), self.device)
         coarse = torch.div(source.coords, step, rounding_mode="floor") * step
@@ -224,8 +244,3 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-@functools.cache
-def _floor_mask(stride: Triple) -> int:
-    """The int64 mask whose AND floors every coordinate field of a packed key to a multiple of ``stride``."""
-    low = sum((s - 1) << (COORD_BITS * (2 - axis)) for axis, s in enumerate(stride))
-    return ~low

@@ -9,8 +9,11 @@ they are ordered with the surrounding torch work without extra synchronisation.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
+from types import SimpleNamespace
 
 import torch
 
@@ -22,6 +25,10 @@ BATCH_MAX = (1 << BATCH_BITS) - 1
 COORD_MIN = -(1 << (COORD_BITS - 1))
 COORD_MAX = (1 << (COORD_BITS - 1)) - 1
 EMPTY_KEY = -1
+MAX_LEVELS = 8
+"""Coordinate sets whose tables one :func:`insert_levels` launch builds."""
+MAX_MAPS = 16
+"""Kernel maps one :func:`query_maps` launch queries."""
 
 
 def range_violation(coords: torch.Tensor) -> str | None:
@@ -57,6 +64,14 @@ def _packing(device: torch.device) -> tuple[torch.Tensor, int]:
     """(the (4,) int64 multipliers of [batch, x, y, z], the packed key of the bias -COORD_MIN on x, y, z)."""
     shifts = [1 << (3 * COORD_BITS), 1 << (2 * COORD_BITS), 1 << COORD_BITS, 1]
     return torch.tensor(shifts, dtype=torch.int64, device=device), -COORD_MIN * sum(shifts[1:])
+
+
+@functools.cache
+def floor_mask(stride: tuple[int, int, int]) -> int:
+    """The int64 mask whose AND floors every coordinate field of a packed key to a multiple of
+    ``stride`` (powers of two that divide the bias -COORD_MIN; the result stays in range)."""
+    low = sum((s - 1) << (COORD_BITS * (2 - axis)) for axis, s in enumerate(stride))
+    return ~low
 
 
 def unpack_keys(keys: torch.Tensor) -> torch.Tensor:
@@ -118,14 +133,15 @@ def _kernels():
 
     @wp.func
     def insert_key(key: wp.int64, row: wp.int32, table_keys: wp.array(dtype=wp.int64),
-                   table_values: wp.array(dtype=wp.int32), mask: wp.int64) -> wp.bool:
-        """Insert ``key`` -> ``row``; True if the key was there already (a duplicate row)."""
+                   table_values: wp.array(dtype=wp.int32), base: wp.int64, mask: wp.int64) -> wp.bool:
+        """Insert ``key`` -> ``row`` into the table at ``base`` of the arrays (``mask + 1`` slots);
+        True if the key was there already (a duplicate row)."""
         slot = home_slot(key, mask)
         probes = wp.int64(0)
         while probes <= mask:
-            previous = wp.atomic_cas(table_keys, slot, wp.int64(-1), key)
+            previous = wp.atomic_cas(table_keys, base + slot, wp.int64(-1), key)
             if previous == wp.int64(-1):
-                table_values[slot] = row
+                table_values[base + slot] = row
                 return False
             if previous == key:
                 # Exactly one insert of a key finds the slot empty: every other one is a duplicate.
@@ -133,6 +149,24 @@ def _kernels():
             slot = (slot + wp.int64(1)) & mask
             probes += wp.int64(1)
         return False
+
+    @wp.func
+    def lookup(key: wp.int64, table_keys: wp.array(dtype=wp.int64), table_values: wp.array(dtype=wp.int32),
+               base: wp.int64, mask: wp.int64) -> wp.int32:
+        """The row of ``key`` in the table at ``base`` (``mask + 1`` slots), -1 if absent or no key."""
+        if key < wp.int64(0):
+            return wp.int32(-1)
+        slot = home_slot(key, mask)
+        probes = wp.int64(0)
+        while probes <= mask:
+            stored = table_keys[base + slot]
+            if stored == key:
+                return table_values[base + slot]
+            if stored == wp.int64(-1):
+                return wp.int32(-1)
+            slot = (slot + wp.int64(1)) & mask
+            probes += wp.int64(1)
+        return wp.int32(-1)
 
     @wp.kernel
     def insert(
@@ -143,7 +177,7 @@ def _kernels():
     ):
         i = wp.tid()
         # Keys are unique (checked by the caller), so each slot's value has one writer.
-        insert_key(keys[i], wp.int32(i), table_keys, table_values, mask)
+        insert_key(keys[i], wp.int32(i), table_keys, table_values, wp.int64(0), mask)
 
     @wp.kernel
     def insert_checked(
@@ -170,7 +204,7 @@ def _kernels():
         keys[i] = key
         if key < wp.int64(0):
             flags[0] = wp.int64(1)
-        elif insert_key(key, wp.int32(i), table_keys, table_values, mask):
+        elif insert_key(key, wp.int32(i), table_keys, table_values, wp.int64(0), mask):
             flags[2] = wp.int64(1)
 
     @wp.kernel
@@ -189,22 +223,72 @@ def _kernels():
             coords[i, 2] + offsets[k, 1],
             coords[i, 3] + offsets[k, 2],
         )
-        found = wp.int32(-1)
-        if key >= wp.int64(0):
-            slot = home_slot(key, mask)
-            probes = wp.int64(0)
-            while probes <= mask:
-                stored = table_keys[slot]
-                if stored == key:
-                    found = table_values[slot]
-                    break
-                if stored == wp.int64(-1):
-                    break
-                slot = (slot + wp.int64(1)) & mask
-                probes += wp.int64(1)
+        found = lookup(key, table_keys, table_values, wp.int64(0), mask)
         neighbors[i, k] = found
 
-    return wp, insert, query_neighbors, insert_checked
+    # Written out in each annotation: Warp evaluates annotations against the module's globals and
+    # the kernel's closure, which holds only the names its body reads.
+    levels_vector = wp.types.vector(length=MAX_LEVELS, dtype=wp.int64)
+    maps_vector = wp.types.vector(length=MAX_MAPS, dtype=wp.int64)
+
+    @wp.kernel
+    def insert_levels(
+        keys: wp.array(dtype=wp.int64),
+        starts: wp.types.vector(length=MAX_LEVELS, dtype=wp.int64),
+        levels: wp.int64,
+        bases: wp.types.vector(length=MAX_LEVELS, dtype=wp.int64),
+        masks: wp.types.vector(length=MAX_LEVELS, dtype=wp.int64),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+    ):
+        # Several coordinate sets' tables in one launch: keys of set l start at starts[l], and its
+        # table holds masks[l] + 1 slots from bases[l] of the shared arrays.
+        i = wp.int64(wp.tid())
+        level = wp.int64(0)
+        while level + wp.int64(1) < levels and i >= starts[level + wp.int64(1)]:
+            level += wp.int64(1)
+        insert_key(keys[i], wp.int32(i - starts[level]), table_keys, table_values, bases[level], masks[level])
+
+    @wp.kernel
+    def query_maps(
+        coords: wp.array2d(dtype=wp.int32),
+        offsets: wp.array2d(dtype=wp.int32),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        neighbors: wp.array(dtype=wp.int32),
+        volume: wp.int64,
+        maps: wp.int64,
+        starts: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        row_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        offset_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        table_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        table_masks: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        out_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+    ):
+        # Several kernel maps of one kernel volume in one launch, thread (i, k) for offset k of the
+        # i-th output row of all: map m's rows are numbered from starts[m] and lie from row_bases[m]
+        # of coords, its offsets from offset_bases[m], its source table from table_bases[m], its
+        # (rows, volume) neighbour table from out_bases[m] of neighbors.
+        i, k = wp.tid()
+        index = wp.int64(i)
+        m = wp.int64(0)
+        while m + wp.int64(1) < maps and index >= starts[m + wp.int64(1)]:
+            m += wp.int64(1)
+        local = index - starts[m]
+        row = row_bases[m] + local
+        offset = offset_bases[m] + wp.int64(k)
+        key = pack(
+            coords[row, 0],
+            coords[row, 1] + offsets[offset, 0],
+            coords[row, 2] + offsets[offset, 1],
+            coords[row, 3] + offsets[offset, 2],
+        )
+        found = lookup(key, table_keys, table_values, table_bases[m], table_masks[m])
+        neighbors[out_bases[m] + local * volume + wp.int64(k)] = found
+
+    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
+                           insert_levels=insert_levels, query_maps=query_maps, levels_vector=levels_vector,
+                           maps_vector=maps_vector)
 
 
 def _launch(kernel, dim, inputs, device: torch.device) -> None:
@@ -217,7 +301,7 @@ def _launch(kernel, dim, inputs, device: torch.device) -> None:
     113 -> 74 us a neighbour-query launch on a 2-core CPU, kernel included (2026-11-25; a MinkUNet
     pass makes 14 Warp launches).
     """
-    wp = _kernels()[0]
+    wp = _kernels().wp
     args = [_descriptor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
     stream = _warp_stream(device) if device.type == "cuda" else None
     recorded = getattr(_RECORDED, "commands", None)
@@ -245,7 +329,7 @@ def _descriptor(tensor: torch.Tensor):
     without its per-call dtype lookup and gradient handling: ~3x cheaper)."""
     made = _descriptor_type()
     if made is None:
-        return _kernels()[0].from_torch(tensor, return_ctype=True)
+        return _kernels().wp.from_torch(tensor, return_ctype=True)
     size = tensor.element_size()
     return made(tensor.data_ptr(), 0, tensor.dim(), tensor.shape, [s * size for s in tensor.stride()])
 
@@ -253,7 +337,7 @@ def _descriptor(tensor: torch.Tensor):
 @functools.cache
 def _descriptor_type():
     """Warp's descriptor class if building one directly gives what from_torch gives, else None."""
-    wp = _kernels()[0]
+    wp = _kernels().wp
     sample = torch.arange(6, dtype=torch.int32).view(2, 3)[:, 1:]
     reference = wp.from_torch(sample, return_ctype=True)
     made = type(reference)
@@ -270,7 +354,7 @@ _STREAMS: dict[tuple[int, int], object] = {}
 
 @functools.lru_cache(maxsize=64)
 def _warp_device(device: torch.device):
-    return _kernels()[0].device_from_torch(device)
+    return _kernels().wp.device_from_torch(device)
 
 
 def _warp_stream(device: torch.device):
@@ -282,7 +366,7 @@ def _warp_stream(device: torch.device):
     if stream is None:
         if len(_STREAMS) > 256:  # streams made and dropped in a loop: do not hold them all
             _STREAMS.clear()
-        stream = _STREAMS[key] = _kernels()[0].stream_from_torch(torch.cuda.current_stream(index))
+        stream = _STREAMS[key] = _kernels().wp.stream_from_torch(torch.cuda.current_stream(index))
     return stream
 
 
@@ -315,7 +399,7 @@ class CoordHashTable:
         table = cls(keys, _values(keys.shape[0], keys.device))
         if n:
             packed = (pack_coords(coords) if packed is None else packed).contiguous()
-            _launch(_kernels()[1], n, [packed, keys, table.values, keys.shape[0] - 1], coords.device)
+            _launch(_kernels().insert, n, [packed, keys, table.values, keys.shape[0] - 1], coords.device)
         return table
 
     @classmethod
@@ -334,7 +418,7 @@ class CoordHashTable:
         buffer = torch.full((capacity + n + 3,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
         table = cls(buffer[:capacity], _values(capacity, buffer.device))
         keys, flags = buffer[capacity: capacity + n], buffer[capacity + n:]
-        _launch(_kernels()[3], n, [coords.contiguous(), *stride, keys, table.keys, table.values, capacity - 1, flags],
+        _launch(_kernels().insert_checked, n, [coords.contiguous(), *stride, keys, table.keys, table.values, capacity - 1, flags],
                 coords.device)
         return table, keys, flags
 
@@ -343,7 +427,7 @@ class CoordHashTable:
         m, k = coords.shape[0], offsets.shape[0]
         out = torch.empty((m, k), dtype=torch.int32, device=coords.device)
         if m and k:
-            query = _kernels()[2]
+            query = _kernels().query_neighbors
             _launch(
                 query,
                 (m, k),
@@ -358,3 +442,61 @@ class CoordHashTable:
                 coords.device,
             )
         return out
+
+
+def insert_sets(keys: torch.Tensor, starts: list[int], table_keys: torch.Tensor, table_values: torch.Tensor,
+                bases: list[int], capacities: list[int]) -> None:
+    """Insert several coordinate sets into their tables in one launch.
+
+    keys: (N,) int64 unique within each set, set ``l`` from ``starts[l]``; set ``l``'s table is
+    ``capacities[l]`` (a power of two) slots from ``bases[l]`` of ``table_keys`` (int64, filled
+    with -1) and ``table_values`` (int32). At most :data:`MAX_LEVELS` sets."""
+    if len(starts) > MAX_LEVELS:
+        raise ValueError(f"insert_sets takes at most {MAX_LEVELS} sets, got {len(starts)}")
+    if keys.shape[0] == 0:
+        return
+    kernels = _kernels()
+    vector = functools.partial(_padded_vector, kernels.levels_vector, MAX_LEVELS)
+    _launch(kernels.insert_levels, keys.shape[0],
+            [keys, vector(starts), len(starts), vector(bases), vector([c - 1 for c in capacities]),
+             table_keys, table_values], keys.device)
+
+
+class MapQuery(NamedTuple):
+    """One kernel map of a :func:`query_many` launch: its output rows ``coords[row_base:row_base +
+    rows]``, its offsets ``offsets[offset_base:offset_base + volume]``, its source table at
+    ``table_base`` of the table arrays (``capacity`` slots) and its (rows, volume) neighbour table
+    at ``out_base`` of the flat output."""
+
+    row_base: int
+    rows: int
+    offset_base: int
+    volume: int
+    table_base: int
+    capacity: int
+    out_base: int
+
+
+def query_many(coords: torch.Tensor, offsets: torch.Tensor, table_keys: torch.Tensor, table_values: torch.Tensor,
+               neighbors: torch.Tensor, queries: list[MapQuery]) -> None:
+    """Several kernel maps' neighbour tables in one launch (at most :data:`MAX_MAPS`, all of one
+    kernel volume): what :meth:`CoordHashTable.neighbors` computes for each ``query``, written into
+    ``neighbors`` (flat int32). coords: (R, 4) int32; offsets: (sum of volumes, 3) int32."""
+    if len(queries) > MAX_MAPS or len({q.volume for q in queries}) > 1:
+        raise ValueError(f"query_many takes at most {MAX_MAPS} maps of one kernel volume, got "
+                         f"{[q.volume for q in queries]}")
+    starts = [0, *itertools.accumulate(q.rows for q in queries)]
+    if not queries or starts[-1] == 0 or queries[0].volume == 0:
+        return
+    kernels = _kernels()
+    vector = functools.partial(_padded_vector, kernels.maps_vector, MAX_MAPS)
+    _launch(kernels.query_maps, (starts[-1], queries[0].volume),
+            [coords, offsets, table_keys, table_values, neighbors, queries[0].volume, len(queries),
+             vector(starts[:-1]), vector([q.row_base for q in queries]), vector([q.offset_base for q in queries]),
+             vector([q.table_base for q in queries]), vector([q.capacity - 1 for q in queries]),
+             vector([q.out_base for q in queries])], coords.device)
+
+
+def _padded_vector(kind, length: int, values: list[int]):
+    """A Warp int64 vector argument holding ``values`` (zeros after them)."""
+    return kind(*values, *[0] * (length - len(values)))

@@ -1,0 +1,232 @@
+"""Kernel maps planned ahead: a new batch builds the maps that the latest batches asked for at once.
+
+A network asks the same maps of every batch (they depend on the coordinates alone), one layer at a
+time: each new coordinate set, table and neighbour query was its own launches, and each stride's
+``unique`` and each submanifold map's pair count a host sync of its own (a MinkUNet: 14 Warp
+launches, 4 + 5 syncs). Remembering which maps the last two batches of a device asked for (as
+strides and geometries, not set ids), the first map request of a new batch builds them all: every
+canonical power-of-two coordinate set by one batched sort of the input's floored keys (one sync for
+all their sizes), their tables in one launch, the neighbour tables in one launch per (output
+coordinates, source table) pair, and the submanifold maps' pair counts in one more transfer. The
+maps are those a lazy build makes, bit for bit (sets sorted by packed key, the same queries); a
+planned map no layer asks for again is built for nothing, and the plan forgets it after two batches.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import math
+import threading
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .. import config
+from .hashing import (
+    COORD_MIN, MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, _capacity, floor_mask, insert_sets, query_many,
+    unpack_keys,
+)
+from .kernel_map import KernelMap, KernelMapKey, Triple, _nonzero, offset_deltas
+
+if TYPE_CHECKING:
+    from .cache import CoordinateCache
+
+ALIGN = 16
+"""Neighbour tables of one launch start at multiples of this many entries (64 bytes): Triton
+specialises pointers on 16-byte alignment, and an unaligned table would be another compile."""
+
+HISTORY = 2
+"""Batches whose requests make the plan: a tensor built for something else between two batches
+(a loss, a visualisation) does not make the next batch lose the network's plan."""
+
+
+class MapSpec(NamedTuple):
+    """A regular (not transposed, not generative) map from the canonical set at ``source_stride``."""
+
+    source_stride: Triple
+    kernel_size: Triple
+    stride: Triple
+    dilation: Triple
+
+    @property
+    def output_stride(self) -> Triple:
+        return _times(self.source_stride, self.stride)
+
+
+_history: dict[tuple[str, Triple], collections.deque] = {}
+_lock = threading.Lock()
+
+
+class Record:
+    """The maps one coordinate cache asks for, in order (the plan of the batches after it)."""
+
+    def __init__(self, signature: tuple[str, Triple]) -> None:
+        self.specs: list[MapSpec] = []
+        with _lock:
+            _history.setdefault(signature, collections.deque(maxlen=HISTORY)).append(self)
+
+    def note(self, cache: CoordinateCache, key: KernelMapKey) -> None:
+        spec = spec_of(cache, key)
+        if spec is not None and spec not in self.specs:
+            self.specs.append(spec)
+
+
+def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[KernelMap, int]]]:
+    """At a cache's first map request: its record, and the maps of the plan built at once (none if
+    the cache holds more than its input set, or SPARSECONV_PLAN_MAPS=0)."""
+    first = cache.coord_set(0)
+    signature = (str(cache.device), first.stride)
+    with _lock:
+        earlier = list(_history.get(signature, ()))
+    plan = list(dict.fromkeys(spec for record in earlier for spec in record.specs))
+    record = Record(signature)
+    fresh = cache.set_count() == 1 and first.canonical and first.coords.shape[0] > 0
+    if not (plan and fresh and config.plan_maps()):
+        return record, {}
+    return record, prebuild(cache, plan)
+
+
+def spec_of(cache: CoordinateCache, key: KernelMapKey) -> MapSpec | None:
+    """The plannable description of ``key``, or None (transposed maps are adjoints of strided ones,
+    generated and non-canonical sets depend on more than the input)."""
+    if key.transposed or key.generative:
+        return None
+    source = cache.coord_set(key.source)
+    if not source.canonical:
+        return None
+    return MapSpec(source.stride, key.kernel_size, key.stride, key.dilation)
+
+
+def prebuild(cache: CoordinateCache, plan: list[MapSpec]) -> dict[KernelMapKey, tuple[KernelMap, int]]:
+    """Build the maps of ``plan`` that the input set reaches through power-of-two floors; returns
+    them by key with their output set ids (the coarse sets are registered in ``cache``)."""
+    base = cache.coord_set(0).stride
+    strides = [base]
+    for spec in plan:
+        for stride in (spec.source_stride, spec.output_stride):
+            if stride not in strides and len(strides) <= MAX_LEVELS and _floorable(stride, base):
+                strides.append(stride)
+    plan = [spec for spec in plan if spec.source_stride in strides and spec.output_stride in strides]
+    if not plan:
+        return {}
+    levels = _add_levels(cache, strides[1:]) if len(strides) > 1 else None
+    ids = {stride: cache.canonical(stride) for stride in strides}
+    # One launch per (output coordinates, source table, kernel volume): the input set's arrays, or
+    # those of the coarse sets together.
+    groups: dict[tuple[bool, bool, int], list[MapSpec]] = collections.defaultdict(list)
+    for spec in plan:
+        groups[(spec.output_stride != base, spec.source_stride != base, math.prod(spec.kernel_size))].append(spec)
+    built: dict[KernelMapKey, tuple[KernelMap, int]] = {}
+    for (coarse_out, coarse_source, _), specs in groups.items():
+        coords = levels.coords if coarse_out else cache.coord_set(0).coords
+        table = levels.table if coarse_source else cache.table(0)
+        for start in range(0, len(specs), MAX_MAPS):
+            built.update(_query(cache, specs[start: start + MAX_MAPS], ids, coords, table))
+    _count_pairs([kernel_map for kernel_map, _ in built.values() if not kernel_map.each_input_once])
+    return built
+
+
+class Levels(NamedTuple):
+    """The coarse sets of one :func:`_add_levels`: their coordinates and their tables, set after set,
+    in one array each (each set's coordinates and table are slices of these)."""
+
+    coords: torch.Tensor
+    table: CoordHashTable
+
+
+def _add_levels(cache: CoordinateCache, strides: list[Triple]) -> Levels:
+    """Register the canonical sets at ``strides`` (floors of the input set), with their tables."""
+    keys = cache.keys(0)
+    floored = keys[None, :] & _floor_masks(tuple(strides), keys.device)[:, None]
+    ordered = floored.sort(dim=1).values
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    torch.ne(ordered[:, 1:], ordered[:, :-1], out=first[:, 1:])
+    counts = first.sum(1).tolist()  # the one host sync for every set's size
+    unique = ordered.view(-1)[_nonzero(first.view(-1), sum(counts))[:, 0]]
+    coords = unpack_keys(unique)
+    starts = [0, *itertools.accumulate(counts)]
+    capacities = [_capacity(n) for n in counts]
+    bases = [0, *itertools.accumulate(capacities)]
+    table = CoordHashTable(torch.full((bases[-1],), -1, dtype=torch.int64, device=keys.device),
+                           torch.empty((bases[-1],), dtype=torch.int32, device=keys.device))
+    insert_sets(unique, starts[:-1], table.keys, table.values, bases[:-1], capacities)
+    for level, stride in enumerate(strides):
+        rows, slots = slice(starts[level], starts[level + 1]), slice(bases[level], bases[level + 1])
+        cache.add(coords[rows], stride, canonical=True, keys=unique[rows],
+                  table=CoordHashTable(table.keys[slots], table.values[slots]))
+    return Levels(coords, table)
+
+
+def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int], coords: torch.Tensor,
+           tables: CoordHashTable) -> dict[KernelMapKey, tuple[KernelMap, int]]:
+    """The neighbour tables of ``specs`` (one kernel volume) in one launch: their output sets are row
+    slices of ``coords``, their source tables slices of ``tables``."""
+    queries, out_base, geometry = [], 0, []
+    for spec in specs:
+        out = cache.coord_set(ids[spec.output_stride]).coords
+        source = cache.table(ids[spec.source_stride])
+        volume = math.prod(spec.kernel_size)
+        queries.append(MapQuery(_start_in(out, coords), out.shape[0], len(geometry) * volume, volume,
+                                _start_in(source.keys, tables.keys), source.keys.shape[0], out_base))
+        geometry.append((spec.kernel_size, _times(spec.dilation, spec.source_stride)))
+        out_base += -(-out.shape[0] * volume // ALIGN) * ALIGN
+    offsets = _offset_table(tuple(geometry), coords.device)
+    if coords.is_cuda:
+        flat = torch.empty((out_base,), dtype=torch.int32, device=coords.device)
+        query_many(coords, offsets, tables.keys, tables.values, flat, queries)
+        neighbors = [flat[q.out_base: q.out_base + q.rows * q.volume].view(q.rows, q.volume) for q in queries]
+    else:
+        # On the CPU a launch costs little beside its kernel, and the one-map kernel is ~20% faster a
+        # row (measured on the CI machine's 2 cores): one launch per map, as the lazy build makes.
+        neighbors = [cache.table(ids[spec.source_stride]).neighbors(
+            cache.coord_set(ids[spec.output_stride]).coords, offsets[q.offset_base: q.offset_base + q.volume])
+            for spec, q in zip(specs, queries)]
+    built = {}
+    for spec, table in zip(specs, neighbors):
+        key = KernelMapKey(ids[spec.source_stride], spec.kernel_size, spec.stride, spec.dilation, False, False)
+        out_id = ids[spec.output_stride]
+        built[key] = (cache.new_map(key, table, out_id), out_id)
+    return built
+
+
+def _count_pairs(maps: list[KernelMap]) -> None:
+    """Every map's pairs per offset, read in one transfer (the tuner's key needs them)."""
+    if not maps:
+        return
+    counts = [(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]
+    flat = torch.cat(counts).tolist()
+    start = 0
+    for kernel_map, on_device in zip(maps, counts):
+        kernel_map.__dict__["offset_counts"] = on_device
+        kernel_map.__dict__["pair_counts"] = flat[start: start + kernel_map.kernel_volume]
+        start += kernel_map.kernel_volume
+
+
+def _start_in(part: torch.Tensor, whole: torch.Tensor) -> int:
+    """Where ``part`` (a slice of ``whole``'s first dimension) starts in ``whole``, in rows."""
+    return (part.data_ptr() - whole.data_ptr()) // (whole.stride(0) * whole.element_size())
+
+
+def _times(a: Triple, b: Triple) -> Triple:
+    return tuple(x * y for x, y in zip(a, b))
+
+
+def _floorable(stride: Triple, base: Triple) -> bool:
+    """Whether the canonical set at ``stride`` is a floor of the packed keys of a set at ``base``: one
+    AND (see :func:`~sparseconv.coords.hashing.floor_mask`), as the lazy build makes it."""
+    return stride != base and all(s % b == 0 and s & (s - 1) == 0 and -COORD_MIN % s == 0
+                                  for s, b in zip(stride, base))
+
+
+@functools.lru_cache(maxsize=64)
+def _floor_masks(strides: tuple[Triple, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor([floor_mask(stride) for stride in strides], dtype=torch.int64).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _offset_table(geometry: tuple[tuple[Triple, Triple], ...], device: torch.device) -> torch.Tensor:
+    """(sum of volumes, 3) int32: each map's ``delta * step`` offsets, map after map (made once per plan)."""
+    parts = [offset_deltas(kernel_size) * torch.tensor(step, dtype=torch.int32) for kernel_size, step in geometry]
+    return torch.cat(parts).contiguous().to(device)

@@ -1,0 +1,155 @@
+"""Maps planned ahead (coords/plan.py): a new batch builds what the last batches asked for, at once,
+and gets exactly the maps a lazy build makes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES
+from sparse_reference import random_coords
+
+from sparseconv import SparseTensor
+from sparseconv.coords import KernelMapKey, hashing, offset_deltas, plan
+from sparseconv.coords.hashing import CoordHashTable, MapQuery, pack_coords
+
+# A small U-Net's requests: submanifold 3^3 on four levels, k2 s2 down between them, the k2 s2
+# transposed convs back up, a dilated and an anisotropic map, a generative one and a stride 3 map
+# (neither planned: both are built lazily beside the plan).
+SUBM = ((3, 3, 3), (1, 1, 1), (1, 1, 1), False, False)
+DOWN = ((2, 2, 2), (2, 2, 2), (1, 1, 1), False, False)
+UP = ((2, 2, 2), (2, 2, 2), (1, 1, 1), True, False)
+
+
+def requests(x: SparseTensor) -> list:
+    """Ask ``x``'s cache for a network's maps in layer order; returns (key, map, output set id)."""
+    cache, asked, source = x.cache, [], x.coord_id
+    sources = [source]
+
+    def ask(source_id, geometry):
+        key = KernelMapKey(source_id, *geometry)
+        kernel_map, out_id = cache.kernel_map(key)
+        asked.append((key, kernel_map, out_id))
+        return out_id
+
+    for _ in range(3):
+        ask(source, SUBM)
+        source = ask(source, DOWN)
+        sources.append(source)
+    ask(source, SUBM)
+    ask(source, ((3, 3, 3), (1, 1, 1), (2, 2, 2), False, False))  # dilated
+    ask(source, ((1, 3, 3), (1, 1, 1), (1, 1, 1), False, False))  # anisotropic
+    for coarse in reversed(sources[:-1]):
+        source = ask(source, UP)
+        assert source == coarse
+    ask(sources[0], ((3, 3, 3), (3, 3, 3), (1, 1, 1), False, False))  # stride 3: not a power of two
+    ask(sources[0], ((2, 2, 2), (2, 2, 2), (1, 1, 1), False, True))  # generative
+    return asked
+
+
+def batch(device, seed: int) -> SparseTensor:
+    torch.manual_seed(seed)
+    coords = random_coords(900, 24, batch_size=2, low=-11, device=device)
+    return SparseTensor(coords, torch.randn(len(coords), 2, device=device))
+
+
+@pytest.fixture(autouse=True)
+def fresh_history(monkeypatch):
+    monkeypatch.setattr(plan, "_history", {})
+
+
+def assert_same_maps(planned: list, lazy: list, planned_cache, lazy_cache) -> None:
+    assert [key for key, _, _ in planned] == [key for key, _, _ in lazy]
+    for (key, p, p_out), (_, q, q_out) in zip(planned, lazy):
+        assert p_out == q_out, key
+        assert torch.equal(planned_cache.coord_set(p_out).coords, lazy_cache.coord_set(q_out).coords), key
+        assert torch.equal(p.neighbors, q.neighbors), key
+        assert p.pair_counts == q.pair_counts, key
+        assert (p.num_in, p.num_out, p.identity_offset, p.each_input_once, p.each_output_once) == (
+            q.num_in, q.num_out, q.identity_offset, q.each_input_once, q.each_output_once), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, monkeypatch):
+    requests(batch(device, 0))  # the first batch builds lazily and makes the plan
+    x = batch(device, 1)  # new coordinates: every planned map is built at the first request
+    prebuilt = []
+    prebuild = plan.prebuild
+    monkeypatch.setattr(plan, "prebuild", lambda *args: prebuilt.append(dict(prebuild(*args))) or dict(prebuilt[-1]))
+    planned = requests(x)
+    assert len(prebuilt) == 1 and len(prebuilt[0]) == 9  # 4 + 1 dilated + 1 anisotropic subm, 3 down
+    assert x.cache._planned == {}, "a planned map was never asked for"
+    monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
+    y = batch(device, 1)
+    assert_same_maps(planned, requests(y), x.cache, y.cache)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_planned_batch_builds_its_sets_and_tables_at_once_with_two_host_reads(device, monkeypatch):
+    requests(batch(device, 0))
+    x = batch(device, 2)
+    launches, reads = [], []
+    launch = hashing._launch
+    monkeypatch.setattr(hashing, "_launch", lambda kernel, *args: launches.append(kernel.key) or launch(kernel, *args))
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or tolist(self))
+    x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
+    # Four coarse sets' tables in one launch; no per-set insert; one read for their sizes, one for
+    # the submanifold maps' pair counts.
+    names = [key.rsplit("__", 1)[-1] for key in launches]
+    assert names.count("insert_levels") == 1 and "insert" not in names
+    assert len(reads) == 2
+    assert x.cache.set_count() == 4  # the input, strides 2, 4, 8 (stride 3 and the generated set: lazily)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_plan_keeps_what_the_last_two_batches_asked_for(device):
+    requests(batch(device, 0))
+    x = batch(device, 3)
+    x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))  # this batch asks for one map only
+    y = batch(device, 4)
+    y.cache.kernel_map(KernelMapKey(y.coord_id, *SUBM))
+    assert len(y.cache._planned) > 1, "the batch before the last one still counts"
+    z = batch(device, 5)
+    z.cache.kernel_map(KernelMapKey(z.coord_id, *SUBM))
+    assert z.cache._planned == {}, "two batches asked for one map: nothing else is built"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_a_batchs_first_set_is_planned_from(device):
+    requests(batch(device, 0))
+    x = batch(device, 6)
+    coarse = x.cache.kernel_map(KernelMapKey(x.coord_id, *DOWN))[1]
+    assert x.cache.set_count() == 4  # planned at the first request
+    moved = x.cache.to("meta") if device == "cpu" else x.cache.to("cpu")
+    assert moved.set_count() == 4 and moved._record is None  # a moved cache keeps its sets; builds lazily
+    assert coarse == x.cache.canonical((2, 2, 2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_query_many_equals_one_query_per_map(device):
+    torch.manual_seed(7)
+    sets = [random_coords(n, 12, batch_size=2, stride=(s, s, s), device=device) for n, s in ((400, 1), (300, 2), (200, 4))]
+    capacities = [hashing._capacity(len(s)) for s in sets]
+    bases = [0, capacities[0], capacities[0] + capacities[1]]
+    tables = CoordHashTable(torch.full((sum(capacities),), -1, dtype=torch.int64, device=device),
+                            torch.empty(sum(capacities), dtype=torch.int32, device=device))
+    starts = [0, len(sets[0]), len(sets[0]) + len(sets[1])]
+    hashing.insert_sets(torch.cat([pack_coords(s) for s in sets]), starts, tables.keys, tables.values, bases,
+                        capacities)
+    coords = torch.cat(sets)
+    offsets = torch.cat([offset_deltas((3, 3, 3)) * step for step in (1, 2, 4)]).contiguous().to(device)
+    # Output set 2 against source 1, output 0 against source 2, output 1 against itself, at regions
+    # with gaps between them (each map's part must land where its query says).
+    plan_ = [(2, 1), (0, 2), (1, 1)]
+    queries, out_base = [], 5
+    for m, (out, source) in enumerate(plan_):
+        queries.append(MapQuery(starts[out], len(sets[out]), 27 * m, 27, bases[source], capacities[source], out_base))
+        out_base += len(sets[out]) * 27 + 3
+    flat = torch.full((out_base,), -7, dtype=torch.int32, device=device)
+    hashing.query_many(coords, offsets, tables.keys, tables.values, flat, queries)
+    for m, ((out, source), query) in enumerate(zip(plan_, queries)):
+        expected = CoordHashTable.build(sets[source]).neighbors(sets[out], offsets[27 * m: 27 * (m + 1)])
+        got = flat[query.out_base: query.out_base + query.rows * 27].view(-1, 27)
+        assert torch.equal(got, expected)
+        assert (expected >= 0).any() and (expected < 0).any()
+    assert (flat[:5] == -7).all(), "nothing written outside the maps' parts"
