@@ -173,13 +173,11 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
         geometry.append((spec.kernel_size, _times(spec.dilation, spec.source_stride)))
         out_base += -(-out.shape[0] * volume // ALIGN) * ALIGN
     offsets = _offset_table(tuple(geometry), coords.device)
-    if coords.is_cuda:
+    if _one_launch(coords.device):
         flat = torch.empty((out_base,), dtype=torch.int32, device=coords.device)
         query_many(coords, offsets, tables.keys, tables.values, flat, queries)
         neighbors = [flat[q.out_base: q.out_base + q.rows * q.volume].view(q.rows, q.volume) for q in queries]
     else:
-        # On the CPU a launch costs little beside its kernel, and the one-map kernel is ~20% faster a
-        # row (measured on the CI machine's 2 cores): one launch per map, as the lazy build makes.
         neighbors = [cache.table(ids[spec.source_stride]).neighbors(
             cache.coord_set(ids[spec.output_stride]).coords, offsets[q.offset_base: q.offset_base + q.volume])
             for spec, q in zip(specs, queries)]
@@ -189,6 +187,13 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
         out_id = ids[spec.output_stride]
         built[key] = (cache.new_map(key, table, out_id), out_id)
     return built
+
+
+def _one_launch(device: torch.device) -> bool:
+    """Whether a group's maps are queried in one launch: on a GPU, where a launch costs the host more
+    than its kernel takes. On the CPU a launch costs little beside its kernel, and the one-map kernel
+    is ~20% faster a row (measured on the CI machine's 2 cores): one launch per map there."""
+    return device.type == "cuda"
 
 
 def _count_pairs(maps: list[KernelMap]) -> None:

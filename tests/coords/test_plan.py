@@ -68,8 +68,10 @@ def assert_same_maps(planned: list, lazy: list, planned_cache, lazy_cache) -> No
             q.num_in, q.num_out, q.identity_offset, q.each_input_once, q.each_output_once), key
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, monkeypatch):
+def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, one_launch, monkeypatch):
+    monkeypatch.setattr(plan, "_one_launch", lambda _: one_launch)  # the GPU's way on the CPU, and back
     requests(batch(device, 0))  # the first batch builds lazily and makes the plan
     x = batch(device, 1)  # new coordinates: every planned map is built at the first request
     prebuilt = []
