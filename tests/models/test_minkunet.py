@@ -71,3 +71,33 @@ def test_a_tiny_minkunet_learns_to_segment_a_synthetic_room_on_cpu():
         optimiser.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:3]) / 3, losses
+
+
+def test_a_training_pass_queries_each_distinct_map_once_and_the_next_batch_all_at_its_first_conv(monkeypatch):
+    from sparseconv.coords import hashing, plan
+
+    monkeypatch.setattr(plan, "_history", {})
+    queried = []  # (output rows, kernel volume) of every neighbour query, by launch
+    launch = hashing._launch
+
+    def counting(kernel, dim, inputs, device):
+        if "query" in kernel.key:
+            queried.append(dim)
+        return launch(kernel, dim, inputs, device)
+
+    monkeypatch.setattr(hashing, "_launch", counting)
+    at_prebuild = []
+    prebuild = plan.prebuild
+    monkeypatch.setattr(plan, "prebuild", lambda *args: (lambda built: at_prebuild.append(len(queried)) or built)(
+        prebuild(*args)))
+    model = MinkUNet14(3, 5, width=0.125, stem_kernel_size=3, stem_convs=2)
+    for step in range(2):
+        x = _input(n=600)
+        queried.clear()
+        model(x).feats.square().sum().backward()
+        maps = {(m.num_out, m.num_in, m.kernel_volume) for m in x.cache.kernel_maps() if m.transpose_of is None}
+        # The stem's and each level's submanifold 3^3 map, and the four k2 s2 maps (their transposes
+        # serve the decoder and every dgrad; the 1x1 convs need none): nine queries, each map once.
+        assert len(maps) == 9 and len(queried) == 9
+    # The second batch's nine queries all ran inside its first map request.
+    assert at_prebuild == [9]
