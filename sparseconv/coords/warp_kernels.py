@@ -1,0 +1,202 @@
+"""The warp-lang kernels of the coordinate hash tables, defined on first use (importing sparseconv
+must not start Warp): inserts (one set, one set with the input checks, several sets at once) and
+neighbour queries (one map, several maps at once). :mod:`.hashing` launches them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from .hashing import BATCH_MAX, COORD_BITS, COORD_MIN, MAX_LEVELS, MAX_MAPS
+
+
+def define() -> SimpleNamespace:
+    """Import warp and define the kernels (once, through :func:`sparseconv.coords.hashing._kernels`)."""
+    import warp as wp
+
+    wp.config.log_level = wp.LOG_WARNING
+    wp.init()
+
+    coord_bits = wp.constant(wp.int64(COORD_BITS))
+    coord_bias = wp.constant(wp.int64(-COORD_MIN))
+    coord_span = wp.constant(wp.int64(1 << COORD_BITS))
+    batch_span = wp.constant(wp.int64(BATCH_MAX + 1))
+
+    @wp.func
+    def pack(b: wp.int32, x: wp.int32, y: wp.int32, z: wp.int32) -> wp.int64:
+        # Out-of-range neighbours (a kernel offset stepping past the coordinate range) have no key.
+        bx = wp.int64(x) + coord_bias
+        by = wp.int64(y) + coord_bias
+        bz = wp.int64(z) + coord_bias
+        if b < 0 or wp.int64(b) >= batch_span:
+            return wp.int64(-1)
+        if bx < wp.int64(0) or bx >= coord_span or by < wp.int64(0) or by >= coord_span:
+            return wp.int64(-1)
+        if bz < wp.int64(0) or bz >= coord_span:
+            return wp.int64(-1)
+        return (
+            (wp.int64(b) << (wp.int64(3) * coord_bits))
+            | (bx << (wp.int64(2) * coord_bits))
+            | (by << coord_bits)
+            | bz
+        )
+
+    @wp.func
+    def home_slot(key: wp.int64, mask: wp.int64) -> wp.int64:
+        # Fibonacci hashing: neighbouring voxels differ in low key bits, which the multiply
+        # spreads over the high bits that the xor-shift then folds back down.
+        h = wp.uint64(key) * wp.uint64(0x9E3779B97F4A7C15)
+        h = h ^ (h >> wp.uint64(31))
+        return wp.int64(h) & mask
+
+    @wp.func
+    def insert_key(key: wp.int64, row: wp.int32, table_keys: wp.array(dtype=wp.int64),
+                   table_values: wp.array(dtype=wp.int32), base: wp.int64, mask: wp.int64) -> wp.bool:
+        """Insert ``key`` -> ``row`` into the table at ``base`` of the arrays (``mask + 1`` slots);
+        True if the key was there already (a duplicate row)."""
+        slot = home_slot(key, mask)
+        probes = wp.int64(0)
+        while probes <= mask:
+            previous = wp.atomic_cas(table_keys, base + slot, wp.int64(-1), key)
+            if previous == wp.int64(-1):
+                table_values[base + slot] = row
+                return False
+            if previous == key:
+                # Exactly one insert of a key finds the slot empty: every other one is a duplicate.
+                return True
+            slot = (slot + wp.int64(1)) & mask
+            probes += wp.int64(1)
+        return False
+
+    @wp.func
+    def shifted_key(coords: wp.array2d(dtype=wp.int32), row: wp.int64, offsets: wp.array2d(dtype=wp.int32),
+                    k: wp.int64) -> wp.int64:
+        """The key of ``coords[row]`` moved by ``offsets[k]`` (-1 if that leaves the packable range)."""
+        x = wp.int32(coords[row, 1] + offsets[k, 0])  # wp in the body: Warp reads the annotations with it
+        return pack(coords[row, 0], x, coords[row, 2] + offsets[k, 1], coords[row, 3] + offsets[k, 2])
+
+    @wp.func
+    def lookup(key: wp.int64, table_keys: wp.array(dtype=wp.int64), table_values: wp.array(dtype=wp.int32),
+               base: wp.int64, mask: wp.int64) -> wp.int32:
+        """The row of ``key`` in the table at ``base`` (``mask + 1`` slots), -1 if absent or no key."""
+        if key < wp.int64(0):
+            return wp.int32(-1)
+        slot = home_slot(key, mask)
+        probes = wp.int64(0)
+        while probes <= mask:
+            stored = table_keys[base + slot]
+            if stored == key:
+                return table_values[base + slot]
+            if stored == wp.int64(-1):
+                return wp.int32(-1)
+            slot = (slot + wp.int64(1)) & mask
+            probes += wp.int64(1)
+        return wp.int32(-1)
+
+    @wp.kernel
+    def insert(
+        keys: wp.array(dtype=wp.int64),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+    ):
+        i = wp.tid()
+        # Keys are unique (checked by the caller), so each slot's value has one writer.
+        insert_key(keys[i], wp.int32(i), table_keys, table_values, wp.int64(0), mask)
+
+    @wp.kernel
+    def insert_checked(
+        coords: wp.array2d(dtype=wp.int32),
+        sx: wp.int32,
+        sy: wp.int32,
+        sz: wp.int32,
+        keys: wp.array(dtype=wp.int64),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+        flags: wp.array(dtype=wp.int64),
+    ):
+        # A new SparseTensor's checks and its hash table in one pass: flags[0] is set (1) by a row out of
+        # range, flags[1] by a row off its stride's grid, flags[2] by a repeated row.
+        i = wp.tid()
+        b = coords[i, 0]
+        x = coords[i, 1]
+        y = coords[i, 2]
+        z = coords[i, 3]
+        if x % sx != 0 or y % sy != 0 or z % sz != 0:
+            flags[1] = wp.int64(1)
+        key = pack(b, x, y, z)
+        keys[i] = key
+        if key < wp.int64(0):
+            flags[0] = wp.int64(1)
+        elif insert_key(key, wp.int32(i), table_keys, table_values, wp.int64(0), mask):
+            flags[2] = wp.int64(1)
+
+    @wp.kernel
+    def query_neighbors(
+        coords: wp.array2d(dtype=wp.int32),
+        offsets: wp.array2d(dtype=wp.int32),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+        neighbors: wp.array2d(dtype=wp.int32),
+    ):
+        i, k = wp.tid()
+        neighbors[i, k] = lookup(shifted_key(coords, wp.int64(i), offsets, wp.int64(k)), table_keys, table_values,
+                                 wp.int64(0), mask)
+
+    # Written out in each annotation: Warp evaluates annotations against the module's globals and
+    # the kernel's closure, which holds only the names its body reads.
+    levels_vector = wp.types.vector(length=MAX_LEVELS, dtype=wp.int64)
+    maps_vector = wp.types.vector(length=MAX_MAPS, dtype=wp.int64)
+
+    @wp.kernel
+    def insert_levels(
+        keys: wp.array(dtype=wp.int64),
+        starts: wp.types.vector(length=MAX_LEVELS, dtype=wp.int64),
+        levels: wp.int64,
+        bases: wp.types.vector(length=MAX_LEVELS, dtype=wp.int64),
+        masks: wp.types.vector(length=MAX_LEVELS, dtype=wp.int64),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+    ):
+        # Several coordinate sets' tables in one launch: keys of set l start at starts[l], and its
+        # table holds masks[l] + 1 slots from bases[l] of the shared arrays.
+        i = wp.int64(wp.tid())
+        level = wp.int64(0)
+        while level + wp.int64(1) < levels and i >= starts[level + wp.int64(1)]:
+            level += wp.int64(1)
+        insert_key(keys[i], wp.int32(i - starts[level]), table_keys, table_values, bases[level], masks[level])
+
+    @wp.kernel
+    def query_maps(
+        coords: wp.array2d(dtype=wp.int32),
+        offsets: wp.array2d(dtype=wp.int32),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        neighbors: wp.array(dtype=wp.int32),
+        volume: wp.int64,
+        maps: wp.int64,
+        starts: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        row_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        offset_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        table_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        table_masks: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        out_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+    ):
+        # Several kernel maps of one kernel volume in one launch, thread (i, k) for offset k of the
+        # i-th output row of all: map m's rows are numbered from starts[m] and lie from row_bases[m]
+        # of coords, its offsets from offset_bases[m], its source table from table_bases[m], its
+        # (rows, volume) neighbour table from out_bases[m] of neighbors.
+        i, k = wp.tid()
+        index = wp.int64(i)
+        m = wp.int64(0)
+        while m + wp.int64(1) < maps and index >= starts[m + wp.int64(1)]:
+            m += wp.int64(1)
+        local = index - starts[m]
+        key = shifted_key(coords, row_bases[m] + local, offsets, offset_bases[m] + wp.int64(k))
+        found = lookup(key, table_keys, table_values, table_bases[m], table_masks[m])
+        neighbors[out_bases[m] + local * volume + wp.int64(k)] = found
+
+    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
+                           insert_levels=insert_levels, query_maps=query_maps, levels_vector=levels_vector,
+                           maps_vector=maps_vector)
