@@ -8,9 +8,9 @@ strides and geometries, not set ids), the first map request of a new batch build
 canonical power-of-two coordinate set by one batched sort of the input's floored keys (one sync for
 all their sizes), their tables in one launch, the neighbour tables in one launch per (output
 coordinates, source table, kernel volume) on a GPU, and the submanifold maps' pair counts in one
-more transfer. The
-maps are those a lazy build makes, bit for bit (sets sorted by packed key, the same queries); a
-planned map no layer asks for again is built for nothing, and the plan forgets it after two batches.
+more transfer. The maps are those a lazy build makes, bit for bit (sets sorted by packed key, the
+same queries); a planned map no layer asks for again is built for nothing, and the plan forgets it
+after two batches.
 """
 
 from __future__ import annotations
