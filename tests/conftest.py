@@ -48,6 +48,16 @@ def isolated_tuner(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def fresh_map_plans(monkeypatch):
+    """Each test starts with no planned kernel maps (coords/plan.py remembers a device's last batches:
+    a test's maps must not depend on which tests ran before it); its own batches still plan."""
+    from sparseconv.coords import plan
+
+    monkeypatch.delenv("SPARSECONV_PLAN_MAPS", raising=False)
+    monkeypatch.setattr(plan, "_history", {})
+
+
+@pytest.fixture(autouse=True)
 def fresh_seed(request):
     """Fresh random inputs on every run; the seed is printed with a failure to reproduce it."""
     seed = secrets.randbits(31)

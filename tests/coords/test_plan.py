@@ -52,11 +52,6 @@ def batch(device, seed: int) -> SparseTensor:
     return SparseTensor(coords, torch.randn(len(coords), 2, device=device))
 
 
-@pytest.fixture(autouse=True)
-def fresh_history(monkeypatch):
-    monkeypatch.setattr(plan, "_history", {})
-
-
 def assert_same_maps(planned: list, lazy: list, planned_cache, lazy_cache) -> None:
     assert [key for key, _, _ in planned] == [key for key, _, _ in lazy]
     for (key, p, p_out), (_, q, q_out) in zip(planned, lazy):

@@ -76,7 +76,6 @@ def test_a_tiny_minkunet_learns_to_segment_a_synthetic_room_on_cpu():
 def test_a_training_pass_queries_each_distinct_map_once_and_the_next_batch_all_at_its_first_conv(monkeypatch):
     from sparseconv.coords import hashing, plan
 
-    monkeypatch.setattr(plan, "_history", {})
     queried = []  # (output rows, kernel volume) of every neighbour query, by launch
     launch = hashing._launch
 
