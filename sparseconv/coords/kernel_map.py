@@ -134,7 +134,10 @@ class KernelMap:
 
     @functools.cached_property
     def pair_counts(self) -> list[int]:
-        """Number of (input, output) pairs per offset, length K, on the host (one sync per map)."""
+        """Number of (input, output) pairs per offset, length K, on the host (one sync per map and
+        its adjoint together)."""
+        if self.transpose_of is not None:
+            return self.transpose_of.pair_counts
         return self.offset_counts.tolist()
 
     @functools.cached_property

@@ -125,7 +125,7 @@ def prebuild(cache: CoordinateCache, plan: list[MapSpec]) -> dict[KernelMapKey, 
         table = levels.table if coarse_source else cache.table(0)
         for start in range(0, len(specs), MAX_MAPS):
             built.update(_query(cache, specs[start: start + MAX_MAPS], ids, coords, table))
-    _count_pairs([kernel_map for kernel_map, _ in built.values() if not kernel_map.each_input_once])
+    _count_pairs([kernel_map for kernel_map, _ in built.values()])
     return built
 
 
@@ -198,7 +198,9 @@ def _one_launch(device: torch.device) -> bool:
 
 
 def _count_pairs(maps: list[KernelMap]) -> None:
-    """Every map's pairs per offset, read in one transfer (the tuner's key needs them)."""
+    """Every map's pairs per offset, read in one transfer: the tuner's key needs a submanifold map's,
+    and the wgrad backends every map's (and its adjoint's, the same list), which would otherwise be
+    a host sync each in a training step's backward, with the GPU busy."""
     if not maps:
         return
     counts = [(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]

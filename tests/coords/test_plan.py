@@ -96,6 +96,13 @@ def test_a_planned_batch_builds_its_sets_and_tables_at_once_with_two_host_reads(
     assert names.count("insert_levels") == 1 and "insert" not in names
     assert len(reads) == 2
     assert x.cache.set_count() == 4  # the input, strides 2, 4, 8 (stride 3 and the generated set: lazily)
+    # Every planned map's pair counts came with that second read, its adjoint's too (the wgrad
+    # backends read them in a training step's backward).
+    planned = [kernel_map for kernel_map, _ in x.cache._planned.values()]
+    assert len(planned) == 8  # the first request's map is handed out already
+    for kernel_map in planned:
+        assert kernel_map.pair_counts == kernel_map.transposed().pair_counts == (kernel_map.neighbors >= 0).sum(0).tolist()
+    assert len(reads) == 2 + len(planned)  # only the comparisons' own reads
 
 
 @pytest.mark.parametrize("device", DEVICES)
