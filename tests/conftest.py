@@ -55,6 +55,7 @@ def fresh_map_plans(monkeypatch):
 
     monkeypatch.delenv("SPARSECONV_PLAN_MAPS", raising=False)
     monkeypatch.setattr(plan, "_history", {})
+    monkeypatch.setattr(plan, "_failed", set())
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import logging
 import math
 import threading
 from typing import TYPE_CHECKING, NamedTuple
@@ -57,7 +58,9 @@ class MapSpec(NamedTuple):
 
 
 _history: dict[tuple[str, Triple], collections.deque] = {}
+_failed: set[tuple[str, Triple]] = set()
 _lock = threading.Lock()
+logger = logging.getLogger("sparseconv.coords")
 
 
 class Record:
@@ -84,9 +87,17 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
     plan = list(dict.fromkeys(spec for record in earlier for spec in record.specs))
     record = Record(signature)
     fresh = cache.set_count() == 1 and first.canonical and first.coords.shape[0] > 0
-    if not (plan and fresh and config.plan_maps()):
+    if not (plan and fresh and config.plan_maps()) or signature in _failed:
         return record, {}
-    return record, prebuild(cache, plan)
+    try:
+        return record, prebuild(cache, plan)
+    except Exception as error:  # noqa: BLE001 - a plan must never cost a batch its maps
+        # The sets registered before the failure are complete (registered after their tables),
+        # so the layers build the rest as without a plan. Planning stays off for this device.
+        _failed.add(signature)
+        logger.warning("sparseconv: building the planned kernel maps failed on %s (%s: %s); each map is "
+                       "built when a layer asks for it from now on", signature[0], type(error).__name__, error)
+        return record, {}
 
 
 def spec_of(cache: CoordinateCache, key: KernelMapKey) -> MapSpec | None:

@@ -68,16 +68,20 @@ def assert_same_maps(planned: list, lazy: list, planned_cache, lazy_cache) -> No
 def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, one_launch, monkeypatch):
     monkeypatch.setattr(plan, "_one_launch", lambda _: one_launch)  # the GPU's way on the CPU, and back
     requests(batch(device, 0))  # the first batch builds lazily and makes the plan
-    x = batch(device, 1)  # new coordinates: every planned map is built at the first request
     prebuilt = []
     prebuild = plan.prebuild
     monkeypatch.setattr(plan, "prebuild", lambda *args: prebuilt.append(dict(prebuild(*args))) or dict(prebuilt[-1]))
-    planned = requests(x)
-    assert len(prebuilt) == 1 and len(prebuilt[0]) == 9  # 4 + 1 dilated + 1 anisotropic subm, 3 down
-    assert x.cache._planned == {}, "a planned map was never asked for"
-    monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
-    y = batch(device, 1)
-    assert_same_maps(planned, requests(y), x.cache, y.cache)
+    # Two planned batches of other sizes: the second reuses the recorded launches with new arguments.
+    for seed in (1, 2):
+        x = batch(device, seed)  # new coordinates: every planned map is built at the first request
+        planned = requests(x)
+        assert len(prebuilt[-1]) == 9  # 4 + 1 dilated + 1 anisotropic subm, 3 down
+        assert x.cache._planned == {}, "a planned map was never asked for"
+        monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
+        y = batch(device, seed)
+        assert_same_maps(planned, requests(y), x.cache, y.cache)
+        monkeypatch.delenv("SPARSECONV_PLAN_MAPS")
+    assert len(prebuilt) == 2 and len(x) != len(batch(device, 1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -157,3 +161,26 @@ def test_query_many_equals_one_query_per_map(device):
         assert torch.equal(got, expected)
         assert (expected >= 0).any() and (expected < 0).any()
     assert (flat[:5] == -7).all(), "nothing written outside the maps' parts"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failing_plan_is_one_warning_and_the_layers_build_their_maps(device, monkeypatch, caplog):
+    monkeypatch.setattr(plan, "_one_launch", lambda _: True)
+    requests(batch(device, 0))
+
+    def broken(*args):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(plan, "query_many", broken)
+    x = batch(device, 8)
+    with caplog.at_level("WARNING", logger="sparseconv"):
+        planned = requests(x)
+    assert [r.message for r in caplog.records if "planned kernel maps failed" in r.message] != []
+    monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
+    y = batch(device, 8)
+    assert_same_maps(planned, requests(y), x.cache, y.cache)
+    monkeypatch.delenv("SPARSECONV_PLAN_MAPS")
+    caplog.clear()
+    z = batch(device, 9)
+    z.cache.kernel_map(KernelMapKey(z.coord_id, *SUBM))
+    assert z.cache.set_count() == 1 and not caplog.records, "planning stays off on that device, quietly"
