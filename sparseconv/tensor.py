@@ -39,13 +39,15 @@ class SparseTensor:
         coords = _as_tensor(coords, "coords")
         feats = _as_tensor(feats, "feats")
         stride = triple(stride, "stride")
-        keys = table = None
+        keys = table = batch_size = None
         if validate:
-            coords, feats, keys, table = _validated(coords, feats, stride, on_duplicate)
+            coords, feats, keys, table, batch_size = _validated(coords, feats, stride, on_duplicate)
         self.feats = feats
         self.cache = CoordinateCache(coords.device)
         self.coord_id = self.cache.add(coords.to(torch.int32).contiguous(), stride, canonical=True, keys=keys,
                                        table=table)
+        if batch_size is not None:
+            self.cache.set_batch_size(batch_size)
 
     @classmethod
     def _derived(cls, feats: torch.Tensor, cache: CoordinateCache, coord_id: int) -> SparseTensor:
@@ -184,9 +186,9 @@ def _int3(value: Sequence[int], name: str) -> tuple[int, int, int]:
 
 def _validated(
     coords: torch.Tensor, feats: torch.Tensor, stride: Triple, on_duplicate: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CoordHashTable | None]:
-    """(coords int32, feats, their packed keys, their hash table), duplicates merged as
-    ``on_duplicate`` says (keys and table None where not made here)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CoordHashTable | None, int | None]:
+    """(coords int32, feats, their packed keys, their hash table, the batch size), duplicates merged
+    as ``on_duplicate`` says (keys, table and batch size None where not known here)."""
     if coords.dim() != 2 or coords.shape[1] != 4:
         raise ValueError(f"coords must have shape (N, 4) as [batch, x, y, z], got {tuple(coords.shape)}")
     if coords.is_floating_point() or coords.is_complex() or coords.dtype == torch.bool:
@@ -213,7 +215,7 @@ def _validated(
     if on_duplicate not in DUPLICATE_MODES:
         raise ValueError(f"on_duplicate must be one of {DUPLICATE_MODES}, got {on_duplicate!r}")
     if coords.shape[0] == 0:
-        return coords.to(torch.int32), feats, None, None
+        return coords.to(torch.int32), feats, None, None, None
     if coords.dtype != torch.int32:
         # Saturating, so that a value beyond int32 stays out of the packable range (the kernel flags it).
         info = torch.iinfo(torch.int32)
@@ -223,7 +225,8 @@ def _validated(
     # The range, grid and duplicate checks and the set's hash table in one kernel, read in one
     # transfer: one host sync for a new batch, and no sort.
     table, keys, flags = CoordHashTable.build_checked(narrow, stride)
-    out_of_range, off_grid, has_duplicates = (flag > 0 for flag in flags.tolist())
+    *checks, batch_max = flags.tolist()
+    out_of_range, off_grid, has_duplicates = (flag > 0 for flag in checks)
     if out_of_range:
         wide = coords.long()
         lo, hi = wide.amin(0).tolist(), wide.amax(0).tolist()
@@ -238,7 +241,7 @@ def _validated(
             f"row {row} is {coords[row].tolist()}"
         )
     if not has_duplicates:
-        return narrow, feats, keys, table
+        return narrow, feats, keys, table, batch_max + 1
     unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
     if on_duplicate == "error":
         repeated_row = unpack_keys(unique[counts > 1][:1])[0].tolist()
@@ -249,4 +252,4 @@ def _validated(
     merged = feats.new_zeros((unique.shape[0], feats.shape[1])).index_add(0, inverse, feats)
     if on_duplicate == "mean":
         merged = merged / counts.to(merged.dtype)[:, None]
-    return unpack_keys(unique), merged, unique, None
+    return unpack_keys(unique), merged, unique, None, batch_max + 1

@@ -142,3 +142,17 @@ def test_empty_tensor_gives_empty_outputs_in_every_mode():
         y.feats.sum().backward()
     up = SparseConv3d(4, 2, 2, 2, transposed=True)(SparseConv3d(3, 4, 2, 2)(x))
     assert up.feats.shape == (0, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_batch_size_comes_with_the_checks_transfer(device, monkeypatch):
+    coords = random_coords(300, 9, batch_size=5, device=device)
+    coords = coords[coords[:, 0] != coords[:, 0].max()] if bool(torch.rand(()) < 0.5) else coords  # sometimes fewer
+    x = SparseTensor(coords, torch.randn(len(coords), 2, device=device))
+    expected = int(coords[:, 0].max()) + 1
+    reads = []
+    for name in ("tolist", "item", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
+    assert x.batch_size == expected
+    assert reads == [], "the tensor knew its batch size: no read of the device"

@@ -66,6 +66,10 @@ class CoordinateCache:
         coords = self._sets[0].coords if self._sets else None
         return int(coords[:, 0].max().item()) + 1 if coords is not None and coords.shape[0] else 0
 
+    def set_batch_size(self, batch_size: int) -> None:
+        """The batch size, where the input's checks read it already (their one transfer holds it)."""
+        self.__dict__["batch_size"] = batch_size
+
     def coord_set(self, set_id: int) -> CoordSet:
         return self._sets[set_id]
 

@@ -215,14 +215,15 @@ class CoordHashTable:
         """A new coordinate set's checks, keys and table in one kernel (no sort, no host sync).
 
         coords: (N, 4) int32, N > 0. Returns (the table, the (N,) int64 :func:`pack_coords` keys,
-        (3,) int64 flags): flags[0] is 1 if some row is out of the packable range (its key is then
+        (4,) int64 flags): flags[0] is 1 if some row is out of the packable range (its key is then
         -1), flags[1] if some x, y, z is not a multiple of ``stride``, flags[2] if some row is
-        repeated; -1 where not. The table and keys are valid only if no flag is set.
+        repeated, -1 where not; flags[3] is the largest batch index of the rows in range. The table
+        and keys are valid only if none of the first three is set.
         """
         n = coords.shape[0]
         capacity = _capacity(n)
         # One allocation, one fill: the empty table (-1 keys), the keys (all written) and the flags (-1 = clear).
-        buffer = torch.full((capacity + n + 3,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
+        buffer = torch.full((capacity + n + 4,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
         table = cls(buffer[:capacity], _values(capacity, buffer.device))
         keys, flags = buffer[capacity: capacity + n], buffer[capacity + n:]
         _launch(_kernels().insert_checked, n, [coords.contiguous(), *stride, keys, table.keys, table.values, capacity - 1, flags],

@@ -116,7 +116,8 @@ def define() -> SimpleNamespace:
         flags: wp.array(dtype=wp.int64),
     ):
         # A new SparseTensor's checks and its hash table in one pass: flags[0] is set (1) by a row out of
-        # range, flags[1] by a row off its stride's grid, flags[2] by a repeated row.
+        # range, flags[1] by a row off its stride's grid, flags[2] by a repeated row; flags[3] becomes
+        # the largest batch index.
         i = wp.tid()
         b = coords[i, 0]
         x = coords[i, 1]
@@ -128,8 +129,12 @@ def define() -> SimpleNamespace:
         keys[i] = key
         if key < wp.int64(0):
             flags[0] = wp.int64(1)
-        elif insert_key(key, wp.int32(i), table_keys, table_values, wp.int64(0), mask):
+            return
+        if insert_key(key, wp.int32(i), table_keys, table_values, wp.int64(0), mask):
             flags[2] = wp.int64(1)
+        # flags[3]: the largest batch index. Read first: once the largest is in, no thread contends.
+        if wp.int64(b) > flags[3]:
+            wp.atomic_max(flags, 3, wp.int64(b))
 
     @wp.kernel
     def query_neighbors(

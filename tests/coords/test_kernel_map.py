@@ -228,7 +228,9 @@ def test_checked_build_flags_exactly_what_the_input_breaks_and_builds_the_table(
     table, keys, flags = CoordHashTable.build_checked(coords, (stride,) * 3)
     expected = [out_of_range is not None, bool(off_grid and stride > 1),
                 len(set(map(tuple, coords.tolist()))) < len(coords)]
-    assert [f > 0 for f in flags.tolist()] == expected
+    assert [f > 0 for f in flags[:3].tolist()] == expected
+    in_range = [r for r in coords.tolist() if r[0] >= 0 and all(COORD_MIN <= v <= COORD_MAX for v in r[1:])]
+    assert flags[3] == max(r[0] for r in in_range)  # the largest batch index, for the batch size
     if any(expected):
         return
     assert torch.equal(keys, pack_coords(coords))
