@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import plan
-from .hashing import COORD_MIN, CoordHashTable, floor_mask, pack_coords, range_violation, unpack_keys
+from .hashing import CoordHashTable, floor_mask, floors_by_mask, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
 
 
@@ -198,7 +198,7 @@ class CoordinateCache:
             return key.source
         if source.canonical and out_stride in self._canonical:
             return self._canonical[out_stride]
-        if all(_power_of_two(s) and -COORD_MIN % s == 0 for s in out_stride):
+        if floors_by_mask(out_stride):
             # Floor-to-multiple of a power of two that divides the key's coordinate bias clears the
             # low bits of each packed field: one AND, and the result stays in range.
             coarse = torch.unique(self.keys(key.source) & floor_mask(out_stride))
@@ -242,9 +242,5 @@ def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def _offsets(kernel_size: Triple, step: Triple, sign: int, device: torch.device) -> torch.Tensor:
     """(K, 3) int32 ``sign * delta * step`` on ``device`` (made once, see :func:`_on_device`)."""
     return (offset_deltas(kernel_size) * torch.tensor(step, dtype=torch.int32) * sign).to(device)
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 

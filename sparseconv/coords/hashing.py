@@ -65,6 +65,12 @@ def _packing(device: torch.device) -> tuple[torch.Tensor, int]:
     return torch.tensor(shifts, dtype=torch.int64, device=device), -COORD_MIN * sum(shifts[1:])
 
 
+def floors_by_mask(stride: tuple[int, int, int]) -> bool:
+    """Whether flooring coordinates to multiples of ``stride`` is an AND of their packed keys
+    (:func:`floor_mask`): powers of two that divide the bias -COORD_MIN, so the result stays in range."""
+    return all(s > 0 and s & (s - 1) == 0 and -COORD_MIN % s == 0 for s in stride)
+
+
 @functools.cache
 def floor_mask(stride: tuple[int, int, int]) -> int:
     """The int64 mask whose AND floors every coordinate field of a packed key to a multiple of

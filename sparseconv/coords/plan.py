@@ -27,8 +27,8 @@ import torch
 
 from .. import config
 from .hashing import (
-    COORD_MIN, MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, _capacity, floor_mask, insert_sets, query_many,
-    unpack_keys,
+    MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, _capacity, floor_mask, floors_by_mask, insert_sets,
+    query_many, unpack_keys,
 )
 from .kernel_map import KernelMap, KernelMapKey, Triple, _nonzero, offset_deltas
 
@@ -176,9 +176,9 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
     """The neighbour tables of ``specs`` (one kernel volume) in one launch: their output sets are row
     slices of ``coords``, their source tables slices of ``tables``."""
     queries, out_base, geometry = [], 0, []
-    for spec in specs:
-        out = cache.coord_set(ids[spec.output_stride]).coords
-        source = cache.table(ids[spec.source_stride])
+    outs = [cache.coord_set(ids[spec.output_stride]).coords for spec in specs]
+    sources = [cache.table(ids[spec.source_stride]) for spec in specs]
+    for spec, out, source in zip(specs, outs, sources):
         volume = math.prod(spec.kernel_size)
         queries.append(MapQuery(_start_in(out, coords), out.shape[0], len(geometry) * volume, volume,
                                 _start_in(source.keys, tables.keys), source.keys.shape[0], out_base))
@@ -190,9 +190,8 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
         query_many(coords, offsets, tables.keys, tables.values, flat, queries)
         neighbors = [flat[q.out_base: q.out_base + q.rows * q.volume].view(q.rows, q.volume) for q in queries]
     else:
-        neighbors = [cache.table(ids[spec.source_stride]).neighbors(
-            cache.coord_set(ids[spec.output_stride]).coords, offsets[q.offset_base: q.offset_base + q.volume])
-            for spec, q in zip(specs, queries)]
+        neighbors = [source.neighbors(out, offsets[q.offset_base: q.offset_base + q.volume])
+                     for out, source, q in zip(outs, sources, queries)]
     built = {}
     for spec, table in zip(specs, neighbors):
         key = KernelMapKey(ids[spec.source_stride], spec.kernel_size, spec.stride, spec.dilation, False, False)
@@ -233,10 +232,9 @@ def _times(a: Triple, b: Triple) -> Triple:
 
 
 def _floorable(stride: Triple, base: Triple) -> bool:
-    """Whether the canonical set at ``stride`` is a floor of the packed keys of a set at ``base``: one
-    AND (see :func:`~sparseconv.coords.hashing.floor_mask`), as the lazy build makes it."""
-    return stride != base and all(s % b == 0 and s & (s - 1) == 0 and -COORD_MIN % s == 0
-                                  for s, b in zip(stride, base))
+    """Whether the canonical set at ``stride`` is the floor of a set at ``base`` that the lazy build
+    makes by one AND of packed keys (:func:`~sparseconv.coords.hashing.floors_by_mask`)."""
+    return stride != base and floors_by_mask(stride) and all(s % b == 0 for s, b in zip(stride, base))
 
 
 @functools.lru_cache(maxsize=64)
