@@ -210,11 +210,12 @@ def test_fused_tile_views_equal_the_torch_reference(device, mode_name, forward, 
         copies.append(copy)
     fused, plain = copies
     for block_m, splits in ((16, 1), (32, 2), (64, 3)):
-        for group in mask_triton.offset_groups(built.kernel_volume, splits):
+        groups = mask_triton.offset_groups(built.kernel_volume, splits)  # the fused orders: one sort for all
+        for group in groups:
             views = []
             for kernel_map, use_triton in ((fused, True), (plain, False)):
                 monkeypatch.setattr(mask_triton, "fused", lambda table, flag=use_triton: flag)
-                views.append([mask_triton.sorted_rows(kernel_map, forward, True, group),
+                views.append([mask_triton.sorted_rows(kernel_map, forward, True, group, groups),
                               mask_triton.tile_offsets(kernel_map, forward, True, block_m, group),
                               *mask_triton.active_lists(kernel_map, forward, True, block_m, group),
                               *mask_triton.tile_slots(kernel_map, forward, True, block_m, group)])

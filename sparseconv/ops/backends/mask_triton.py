@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -37,9 +37,11 @@ def offset_groups(kernel_volume: int, splits: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
-def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[int, int] | None = None) -> torch.Tensor:
+def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[int, int] | None = None,
+                groups: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
     """(rows,) int64 visiting order of the product's rows, by their neighbour mask over the offsets
-    of ``group`` (default: all) if ``sort``; cached on the map."""
+    of ``group`` (default: all) if ``sort``; cached on the map. ``groups``: every group of the
+    caller's split (``group`` among them), whose orders are then built together, one sort for all."""
     lo, hi = group or (0, kernel_map.kernel_volume)
     if not forward:
         # A dgrad walks the transposed table: its adjoint's forward table, whose views a transposed
@@ -49,17 +51,28 @@ def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[i
         # correct; the order only makes tiles dense).
         if kernel_map.identity_offset is not None:
             volume = kernel_map.kernel_volume
-            return sorted_rows(kernel_map, True, sort, (volume - hi, volume - lo))
-        return sorted_rows(kernel_map.transposed(), True, sort, group)
+            mirrored = None if groups is None else [(volume - b, volume - a) for a, b in groups]
+            return sorted_rows(kernel_map, True, sort, (volume - hi, volume - lo), mirrored)
+        return sorted_rows(kernel_map.transposed(), True, sort, group, groups)
+
+    def key(lo: int, hi: int) -> tuple:
+        return ("mask_rows" if forward else "mask_rows_t", sort, lo, hi)
 
     def build(m: KernelMap) -> torch.Tensor:
         table = product_table(m, forward)
         if not (sort and table.shape[0] and fused(table)):
             return row_order(table[:, lo:hi], sort)
+        together = [(lo, hi)] if groups is None else sorted(groups)  # a dgrad's mirrored groups run backwards
+        if (lo, hi) not in together or not _together(together):
+            together = [(lo, hi)]
         # Per-offset counts are the map's pair counts in either direction: no pass over the table.
-        return fused_row_order(table, lo, hi, m.offset_counts)
+        orders = fused_row_orders(table, together, m.offset_counts)
+        for other, order in zip(together, orders):
+            if other != (lo, hi):
+                m.derived(key(*other), lambda _, order=order: order)
+        return orders[together.index((lo, hi))]
 
-    return kernel_map.derived(("mask_rows" if forward else "mask_rows_t", sort, lo, hi), build)
+    return kernel_map.derived(key(lo, hi), build)
 
 
 def fused(table: torch.Tensor) -> bool:
@@ -73,31 +86,58 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def fused_row_order(table: torch.Tensor, lo: int, hi: int, counts: torch.Tensor) -> torch.Tensor:
-    """:func:`row_order` of ``table[:, lo:hi]`` by one mask kernel and one sort; ``counts``: the
-    table's (K,) pairs per offset, whose entries [lo, hi) set the bit order (rarest most
-    significant; the kernel ranks them itself). The whole array, not a slice: Triton specialises
+def fused_row_orders(table: torch.Tensor, groups: Sequence[tuple[int, int]], counts: torch.Tensor
+                     ) -> list[torch.Tensor]:
+    """:func:`row_order` of ``table[:, lo:hi]`` for each (lo, hi) of ``groups`` (:func:`_together`:
+    at most three adjacent groups, in offset order) by one mask kernel and one
+    sort: group g's keys carry g above their mask bits, so the sorted keys are the groups' orders
+    one after the other (a sort call costs the host ~80 µs on an H100 whatever the length).
+    ``counts``: the table's (K,) pairs per offset, which set each group's bit order (rarest most
+    significant; the kernel ranks them itself). The whole table, not a slice: Triton specialises
     pointers on 16-byte alignment, and a slice at an odd offset would be another compile."""
-    width, rows = hi - lo, table.shape[0]
-    # 32-bit keys when they fit: half the radix passes of the sort.
-    masks = torch.empty(rows, dtype=_mask_dtype(width), device=table.device)
+    rows, parts = table.shape[0], len(groups)
+    # Each group's part of the keys (and so of the sorted indices) starts 16-byte aligned.
+    stride = rows if parts == 1 else -(-rows // 2) * 2
+    keys = torch.empty(parts * stride, dtype=_key_dtype(groups), device=table.device)
     kernels = tk.kernels()
-    args, options = _masks_launch(table, counts, masks, rows, table.stride(0), lo, width)
-    kernels.row_masks[(kernels.triton.cdiv(rows, MASK_ROWS),)](*args, **options)
-    return torch.sort(masks, stable=True).indices
+    args, options = _masks_launch(table, counts, keys, rows, table.stride(0), stride, groups)
+    kernels.row_masks[(kernels.triton.cdiv(stride, MASK_ROWS), parts)](*args, **options)
+    order = torch.sort(keys, stable=True).indices
+    if parts == 1:
+        return [order]
+    order = torch.remainder(order, stride)  # group g's indices start at g * stride
+    return [order[g * stride: g * stride + rows] for g in range(parts)]
 
 
 MASK_ROWS = 128
 
 
-def _mask_dtype(width: int) -> torch.dtype:
-    return torch.int32 if min(width, 63) <= 31 else torch.int64
+def _together(groups: Sequence[tuple[int, int]]) -> bool:
+    """Whether :func:`fused_row_orders` orders ``groups`` in one launch and sort: up to three
+    adjacent ones (the kernel takes their four bounds) whose widest mask leaves room for the group
+    index in 63 bits."""
+    adjacent = all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    return adjacent and len(groups) <= 3 and (len(groups) == 1 or max(hi - lo for lo, hi in groups) <= 61)
 
 
-def _masks_launch(table, counts, masks, rows: int, row_stride: int, lo: int, width: int) -> tuple[tuple, dict]:
-    """row_masks' arguments and options (one place for :func:`fused_row_order` and :func:`precompile`)."""
-    return (table, counts, masks, rows, row_stride, lo, width), dict(BLOCK=MASK_ROWS, WIDTH=_width(width),
-                                                                     BITS=min(width, 63))
+def _key_dtype(groups: Sequence[tuple[int, int]]) -> torch.dtype:
+    """The narrowest integer holding a key of :func:`fused_row_orders`: the widest group's mask bits
+    (at most 63) and the group index above them (fewer bits, fewer radix passes of the sort)."""
+    total = _bits(groups) + (len(groups) - 1).bit_length()
+    return torch.int16 if total <= 15 else torch.int32 if total <= 31 else torch.int64
+
+
+def _bits(groups: Sequence[tuple[int, int]]) -> int:
+    return min(max(hi - lo for lo, hi in groups), 63)
+
+
+def _masks_launch(table, counts, keys, rows: int, row_stride: int, stride: int,
+                  groups: Sequence[tuple[int, int]]) -> tuple[tuple, dict]:
+    """row_masks' arguments and options (one place for :func:`fused_row_orders` and :func:`precompile`)."""
+    bounds = [lo for lo, _ in groups] + [groups[-1][1]]
+    bounds += [bounds[-1]] * (4 - len(bounds))
+    return ((table, counts, keys, rows, row_stride, stride, *bounds),
+            dict(BLOCK=MASK_ROWS, WIDTH=_width(max(hi - lo for lo, hi in groups)), BITS=_bits(groups)))
 
 
 def _width(width: int) -> int:
@@ -233,8 +273,9 @@ def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -
         return out.zero_()
     bm, bn = int(params["block_m"]), int(params["block_n"])
     sort = bool(params.get("sort", True))
-    for step, group in enumerate(offset_groups(table.shape[1], int(params.get("splits", 1)))):
-        rows = sorted_rows(kernel_map, forward, sort, group)
+    groups = offset_groups(table.shape[1], int(params.get("splits", 1)))
+    for step, group in enumerate(groups):
+        rows = sorted_rows(kernel_map, forward, sort, group, groups)
         _, offsets, counts, slots = tile_plan(kernel_map, forward, sort, bm, group)
         grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
         args, options = _rows_launch(params, a.dtype, step, (a, w, slots, rows, offsets, counts, out),
@@ -263,19 +304,21 @@ def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map
     running them (Backend.precompile)."""
     if problem.device.type != "cuda":
         return
-    kernels, dtype, i32 = tk.kernels(), problem.dtype, torch.int32
+    kernels, dtype, i32, i64 = tk.kernels(), problem.dtype, torch.int32, torch.int64
     forward, reduce_dim, out_dim, strides = _product(namespace, problem.in_channels, problem.out_channels)
     num_rows = kernel_map.num_out if forward else kernel_map.num_in
     volume = kernel_map.kernel_volume  # both neighbour tables are (rows, K) with row stride K
     if num_rows == 0 or out_dim == 0:
         return
     bm, sort = int(params["block_m"]), bool(params.get("sort", True))
-    for step, (lo, hi) in enumerate(offset_groups(volume, int(params.get("splits", 1)))):
-        width = hi - lo
-        i64 = torch.int64  # the row order (sort indices) and the per-offset pair counts
-        if sort:
-            args, options = _masks_launch(i32, i64, _mask_dtype(width), num_rows, volume, lo, width)
+    groups = offset_groups(volume, int(params.get("splits", 1)))
+    if sort:
+        for together in [groups] if _together(groups) else [[group] for group in groups]:
+            # the table, the per-offset pair counts, the keys
+            args, options = _masks_launch(i32, i64, _key_dtype(together), num_rows, volume, num_rows, together)
             tk.warm(kernels.row_masks, problem.device, *args, **options)
+    for step, (lo, hi) in enumerate(groups):
+        width = hi - lo  # the row order below: int64 sort indices
         args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, bm)
         tk.warm(kernels.tile_plan, problem.device, *args, **options)
         args, options = _rows_launch(params, dtype, step, (dtype, dtype, i32, i64, i32, i32, dtype),
