@@ -106,7 +106,7 @@ class CoordinateCache:
         hit = self._planned.pop(key, None)
         if hit is None:
             hit = self._build(key)
-        self._record.note(self, key)
+        self._record.note(self, key, hit[0])
         return hit
 
     def built_map(self, key: KernelMapKey) -> tuple[KernelMap, int] | None:

@@ -180,11 +180,25 @@ class KernelMap:
         in_idx, out_idx, _ = self.pairs
         return list(zip(in_idx.split(self.pair_counts), out_idx.split(self.pair_counts)))
 
+    on_view: Callable[[Hashable], None] | None = None
+    """Told the key of each view this map's layers use (the first time): the map plan keeps them
+    for the next batch's maps (:mod:`.plan`)."""
+
     def derived(self, key: Hashable, build: Callable[[KernelMap], V]) -> V:
-        """A backend's own view of this map (e.g. padded groups), built on first use and kept with the map."""
+        """A backend's own view of this map (e.g. padded groups), built on first use and kept with the
+        map; a view :meth:`offer` holds is taken instead of building it."""
         if key not in self._derived:
-            self._derived[key] = build(self)
+            offered = self.__dict__.get("_offered")
+            view = offered.pop(key, _NONE) if offered else _NONE
+            self._derived[key] = build(self) if view is _NONE else view
+            if self.on_view is not None:
+                self.on_view(key)
         return self._derived[key]  # type: ignore[return-value]
+
+    def offer(self, key: Hashable, view: object) -> None:
+        """Hold ``view``, built ahead (several maps' views in one pass), for :meth:`derived` to take
+        when a layer asks for ``key``; one never asked for is not reported to :attr:`on_view`."""
+        self.__dict__.setdefault("_offered", {})[key] = view
 
     def __repr__(self) -> str:
         return (
@@ -192,6 +206,8 @@ class KernelMap:
             f"kernel_size={self.kernel_size}, identity_offset={self.identity_offset})"
         )
 
+
+_NONE = object()
 
 _owners: dict[int, weakref.ref[KernelMap]] = {}
 """Table address -> the map that owns it (see :func:`owner_of`); dead entries pruned as it grows."""

@@ -21,6 +21,7 @@ import itertools
 import logging
 import math
 import threading
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -68,13 +69,30 @@ class Record:
 
     def __init__(self, signature: tuple[str, Triple]) -> None:
         self.specs: list[MapSpec] = []
+        self.views: dict[MapSpec, dict[Hashable, None]] = {}
+        """Per map, the keys of the views its layers used (:attr:`KernelMap.on_view`), in order."""
         with _lock:
             _history.setdefault(signature, collections.deque(maxlen=HISTORY)).append(self)
 
-    def note(self, cache: CoordinateCache, key: KernelMapKey) -> None:
+    def note(self, cache: CoordinateCache, key: KernelMapKey, kernel_map: KernelMap) -> None:
         spec = spec_of(cache, key)
         if spec is not None and spec not in self.specs:
             self.specs.append(spec)
+            kernel_map.on_view = self.views.setdefault(spec, {}).setdefault
+
+
+ViewBuilder = Callable[[list[tuple[KernelMap, list[Hashable]]]], None]
+"""builder([(map, keys of the views its counterpart in the last batches used)]): builds those of
+the views it knows together and :meth:`KernelMap.offer` s them (registered by the backends,
+:func:`add_view_builder`; the plan does not know what a key means)."""
+
+_view_builders: list[ViewBuilder] = []
+
+
+def add_view_builder(builder: ViewBuilder) -> None:
+    """Have ``builder`` build the views of each planned batch's maps ahead (once per builder)."""
+    if builder not in _view_builders:
+        _view_builders.append(builder)
 
 
 def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[KernelMap, int]]]:
@@ -85,12 +103,16 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
     with _lock:
         earlier = list(_history.get(signature, ()))
     plan = list(dict.fromkeys(spec for record in earlier for spec in record.specs))
+    views: dict[MapSpec, dict[Hashable, None]] = {}
+    for earlier_record in earlier:
+        for spec, keys in earlier_record.views.items():
+            views.setdefault(spec, {}).update(keys)
     record = Record(signature)
     fresh = cache.set_count() == 1 and first.canonical and first.coords.shape[0] > 0
     if not (plan and fresh and config.plan_maps()) or signature in _failed:
         return record, {}
     try:
-        return record, prebuild(cache, plan)
+        return record, prebuild(cache, plan, views)
     except Exception as error:  # noqa: BLE001 - a plan must never cost a batch its maps
         # The sets registered before the failure are complete (registered after their tables),
         # so the layers build the rest as without a plan. Planning stays off for this device.
@@ -111,9 +133,11 @@ def spec_of(cache: CoordinateCache, key: KernelMapKey) -> MapSpec | None:
     return MapSpec(source.stride, key.kernel_size, key.stride, key.dilation)
 
 
-def prebuild(cache: CoordinateCache, plan: list[MapSpec]) -> dict[KernelMapKey, tuple[KernelMap, int]]:
-    """Build the maps of ``plan`` that the input set reaches through power-of-two floors; returns
-    them by key with their output set ids (the coarse sets are registered in ``cache``)."""
+def prebuild(cache: CoordinateCache, plan: list[MapSpec], views: dict[MapSpec, dict[Hashable, None]] | None = None
+             ) -> dict[KernelMapKey, tuple[KernelMap, int]]:
+    """Build the maps of ``plan`` that the input set reaches through power-of-two floors, and
+    through the view builders the ``views`` their counterparts used; returns the maps by key with
+    their output set ids (the coarse sets are registered in ``cache``)."""
     base = cache.coord_set(0).stride
     strides = [base]
     for spec in plan:
@@ -137,6 +161,14 @@ def prebuild(cache: CoordinateCache, plan: list[MapSpec]) -> dict[KernelMapKey, 
         for start in range(0, len(specs), MAX_MAPS):
             built.update(_query(cache, specs[start: start + MAX_MAPS], ids, coords, table))
     _count_pairs([kernel_map for kernel_map, _ in built.values()])
+    if views and _view_builders:
+        wanted = []
+        for spec in plan:
+            hit = built.get(_key_of(spec, ids))
+            if hit is not None and views.get(spec):
+                wanted.append((hit[0], list(views[spec])))
+        for builder in _view_builders:
+            builder(wanted)
     return built
 
 
@@ -194,10 +226,14 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
                      for out, source, q in zip(outs, sources, queries)]
     built = {}
     for spec, table in zip(specs, neighbors):
-        key = KernelMapKey(ids[spec.source_stride], spec.kernel_size, spec.stride, spec.dilation, False, False)
+        key = _key_of(spec, ids)
         out_id = ids[spec.output_stride]
         built[key] = (cache.new_map(key, table, out_id), out_id)
     return built
+
+
+def _key_of(spec: MapSpec, ids: dict[Triple, int]) -> KernelMapKey:
+    return KernelMapKey(ids[spec.source_stride], spec.kernel_size, spec.stride, spec.dilation, False, False)
 
 
 def _one_launch(device: torch.device) -> bool:

@@ -221,3 +221,47 @@ def test_fused_tile_views_equal_the_torch_reference(device, mode_name, forward, 
                               *mask_triton.tile_slots(kernel_map, forward, True, block_m, group)])
             for got, expected in zip(*views):
                 assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected.cpu())
+
+
+def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
+    # The map plan builds the row orders the last batch's layers used on its maps, for all maps with
+    # one sort (mask_triton.build_planned_orders); a layer then takes the order it would have built.
+    from sparseconv import SparseTensor
+    from sparseconv.coords import KernelMap
+    from sparse_reference import random_coords
+
+    subm = KernelMapKey(0, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False)
+    down = KernelMapKey(0, (2, 2, 2), (2, 2, 2), (1, 1, 1), False, False)
+    split = [(0, 14), (14, 27)]
+    uses = [(subm, True, split), (subm, False, split), (subm, True, [(0, 27)]), (down, True, [(0, 8)])]
+
+    def batch():
+        coords = random_coords(700, 16, batch_size=2, low=-8)
+        return SparseTensor(coords, torch.randn(len(coords), 2))
+
+    def use(x):  # the views a layer of each use asks for (a dgrad's groups are mirrored)
+        for key, forward, groups in uses:
+            kernel_map = x.cache.kernel_map(key)[0]
+            for group in groups:
+                mask_triton.sorted_rows(kernel_map, forward, True, group, groups)
+
+    use(batch())  # builds the maps and their orders one by one, and makes the plan
+    sorts = []
+    original = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(a[0].numel()) or original(*a, **k))
+    x = batch()
+    maps = {key: x.cache.kernel_map(key)[0] for key in (subm, down)}  # the plan builds both, then their orders
+    assert len(sorts) == 1, "one torch.sort for every planned order"
+    offered = {key: dict(m.__dict__.get("_offered", {})) for key, m in maps.items()}
+    assert sorted(k[2:] for k in offered[subm]) == [(0, 13), (0, 14), (0, 27), (13, 27), (14, 27)]
+    assert list(offered[down]) == [("mask_rows", True, 0, 8)]
+    for key, kernel_map in maps.items():
+        copy = KernelMap(kernel_map.neighbors, kernel_map.num_in, kernel_map.kernel_size, kernel_map.identity_offset)
+        for view_key, order in offered[key].items():
+            lo, hi = view_key[2:]
+            expected = mask_triton.sorted_rows(copy, True, True, (lo, hi))  # one group, built on its own
+            assert order.dtype == expected.dtype and torch.equal(order, expected), view_key
+    sorts.clear()
+    use(x)
+    assert not sorts, "the layers took the planned orders"
+    assert all(not m.__dict__.get("_offered") for m in maps.values())

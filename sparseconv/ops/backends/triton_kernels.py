@@ -174,14 +174,14 @@ def _define() -> SimpleNamespace:
         else:
             tl.store(target, acc, mask=rm_ok[:, None] & rn_ok[None, :])
 
-    @triton.jit(do_not_specialize=["rows", "row_stride", "stride", "b0", "b1", "b2", "b3"])
-    def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, stride, b0, b1, b2, b3,
-                  BLOCK: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr):
+    @triton.jit(do_not_specialize=["rows", "row_stride", "stride", "b0", "b1", "b2", "b3", "tag"])
+    def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, stride, b0, b1, b2, b3, tag,
+                  BLOCK: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr):
         """The sort keys of up to three offset groups' row orders (group g = program_id(1) holds the
-        offsets [b_g, b_g+1)): out[g * stride + i] = g << BITS | the bitmask of the group's offsets
-        present in row i, the rarest offset (fewest pairs, ``count_ptr[k]``; ties by offset) most
-        significant; only the ``BITS`` rarest get a bit. Entries from ``rows`` to ``stride`` (the
-        padding that keeps each group's part aligned) get the group's largest key."""
+        offsets [b_g, b_g+1)): out[g * stride + i] = (tag + g) << SHIFT | the bitmask of the group's
+        offsets present in row i, the rarest offset (fewest pairs, ``count_ptr[k]``; ties by offset)
+        most significant; only the ``BITS`` rarest get a bit. Entries from ``rows`` to ``stride``
+        (the padding that keeps each group's part aligned) get the group's largest key."""
         g = tl.program_id(1)
         lo = tl.where(g == 0, b0, tl.where(g == 1, b1, b2))
         width = tl.where(g == 0, b1, tl.where(g == 1, b2, b3)) - lo
@@ -200,7 +200,7 @@ def _define() -> SimpleNamespace:
         one = tl.full((BLOCK, WIDTH), 1, tl.int64)
         weight = tl.where(present & (bit[None, :] >= 0), one << tl.maximum(bit, 0).to(tl.int64)[None, :], 0)
         masks = tl.sum(weight, axis=1)  # distinct powers of two: the sum is the OR
-        masks = tl.where(r < rows, masks, (1 << BITS) - 1) | (g.to(tl.int64) << BITS)
+        masks = tl.where(r < rows, masks, (1 << BITS) - 1) | ((g.to(tl.int64) + tag) << SHIFT)
         tl.store(out_ptr + g.to(tl.int64) * stride + r, masks.to(out_ptr.dtype.element_ty), mask=r < stride)
 
     @triton.jit(do_not_specialize=["rows", "lo", "width"])
