@@ -303,13 +303,18 @@ class MapQuery(NamedTuple):
     table_base: int
     capacity: int
     out_base: int
+    transposed_base: int = -1
+    """Where its transposed table (source rows, volume) starts in :func:`query_many`'s
+    ``transposed`` (-1: not asked for)."""
 
 
 def query_many(coords: torch.Tensor, offsets: torch.Tensor, table_keys: torch.Tensor, table_values: torch.Tensor,
-               neighbors: torch.Tensor, queries: list[MapQuery]) -> None:
+               neighbors: torch.Tensor, queries: list[MapQuery], transposed: torch.Tensor | None = None) -> None:
     """Several kernel maps' neighbour tables in one launch (at most :data:`MAX_MAPS`, all of one
     kernel volume): what :meth:`CoordHashTable.neighbors` computes for each ``query``, written into
-    ``neighbors`` (flat int32). coords: (R, 4) int32; offsets: (sum of volumes, 3) int32."""
+    ``neighbors`` (flat int32). coords: (R, 4) int32; offsets: (sum of volumes, 3) int32.
+    ``transposed`` (flat int32, filled with -1): where a query's ``transposed_base`` is set, its
+    transposed table (what :attr:`KernelMap.transposed_neighbors` holds) is written there too."""
     if len(queries) > MAX_MAPS or len({q.volume for q in queries}) > 1:
         raise ValueError(f"query_many takes at most {MAX_MAPS} maps of one kernel volume, got "
                          f"{[q.volume for q in queries]}")
@@ -322,7 +327,9 @@ def query_many(coords: torch.Tensor, offsets: torch.Tensor, table_keys: torch.Te
             [coords, offsets, table_keys, table_values, neighbors, queries[0].volume, len(queries),
              vector(starts[:-1]), vector([q.row_base for q in queries]), vector([q.offset_base for q in queries]),
              vector([q.table_base for q in queries]), vector([q.capacity - 1 for q in queries]),
-             vector([q.out_base for q in queries])], coords.device)
+             vector([q.out_base for q in queries]),
+             transposed if transposed is not None else neighbors,  # never written without a base
+             vector([q.transposed_base if transposed is not None else -1 for q in queries])], coords.device)
 
 
 def _padded_vector(kind, length: int, values: list[int]):

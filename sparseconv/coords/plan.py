@@ -207,29 +207,51 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
            tables: CoordHashTable) -> dict[KernelMapKey, tuple[KernelMap, int]]:
     """The neighbour tables of ``specs`` (one kernel volume) in one launch: their output sets are row
     slices of ``coords``, their source tables slices of ``tables``."""
-    queries, out_base, geometry = [], 0, []
+    queries, out_base, transposed_base, geometry = [], 0, 0, []
     outs = [cache.coord_set(ids[spec.output_stride]).coords for spec in specs]
     sources = [cache.table(ids[spec.source_stride]) for spec in specs]
+    one_launch = _one_launch(coords.device)
     for spec, out, source in zip(specs, outs, sources):
-        volume = math.prod(spec.kernel_size)
+        volume, rows_in = math.prod(spec.kernel_size), _rows_in(cache, ids, spec)
+        # A strided map's transposed table (a transposed conv's, its own dgrad's) in the same launch:
+        # a submanifold map's is its own with the columns reversed (one op, KernelMap).
+        at = transposed_base if one_launch and spec.stride != (1, 1, 1) else -1
         queries.append(MapQuery(_start_in(out, coords), out.shape[0], len(geometry) * volume, volume,
-                                _start_in(source.keys, tables.keys), source.keys.shape[0], out_base))
+                                _start_in(source.keys, tables.keys), source.keys.shape[0], out_base, at))
         geometry.append((spec.kernel_size, _times(spec.dilation, spec.source_stride)))
-        out_base += -(-out.shape[0] * volume // ALIGN) * ALIGN
+        out_base += _aligned(out.shape[0] * volume)
+        transposed_base += _aligned(rows_in * volume) if at >= 0 else 0
     offsets = _offset_table(tuple(geometry), coords.device)
-    if _one_launch(coords.device):
+    transposed = [None] * len(queries)
+    if one_launch:
         flat = torch.empty((out_base,), dtype=torch.int32, device=coords.device)
-        query_many(coords, offsets, tables.keys, tables.values, flat, queries)
+        flat_t = torch.full((transposed_base,), -1, dtype=torch.int32, device=coords.device) if transposed_base else None
+        query_many(coords, offsets, tables.keys, tables.values, flat, queries, flat_t)
         neighbors = [flat[q.out_base: q.out_base + q.rows * q.volume].view(q.rows, q.volume) for q in queries]
+        for index, (q, spec) in enumerate(zip(queries, specs)):
+            if q.transposed_base >= 0:
+                rows_in = _rows_in(cache, ids, spec)
+                transposed[index] = flat_t[q.transposed_base: q.transposed_base + rows_in * q.volume].view(rows_in, q.volume)
     else:
         neighbors = [source.neighbors(out, offsets[q.offset_base: q.offset_base + q.volume])
                      for out, source, q in zip(outs, sources, queries)]
     built = {}
-    for spec, table in zip(specs, neighbors):
+    for spec, table, table_t in zip(specs, neighbors, transposed):
         key = _key_of(spec, ids)
         out_id = ids[spec.output_stride]
-        built[key] = (cache.new_map(key, table, out_id), out_id)
+        kernel_map = cache.new_map(key, table, out_id)
+        if table_t is not None:
+            kernel_map.__dict__["transposed_neighbors"] = table_t
+        built[key] = (kernel_map, out_id)
     return built
+
+
+def _aligned(entries: int) -> int:
+    return -(-entries // ALIGN) * ALIGN
+
+
+def _rows_in(cache: CoordinateCache, ids: dict[Triple, int], spec: MapSpec) -> int:
+    return cache.coord_set(ids[spec.source_stride]).coords.shape[0]
 
 
 def _key_of(spec: MapSpec, ids: dict[Triple, int]) -> KernelMapKey:

@@ -194,6 +194,8 @@ def define() -> SimpleNamespace:
         table_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
         table_masks: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
         out_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        transposed: wp.array(dtype=wp.int32),
+        transposed_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
     ):
         # Several kernel maps of one kernel volume in one launch, thread (i, k) for offset k of the
         # i-th output row of all: map m's rows are numbered from starts[m] and lie from row_bases[m]
@@ -213,6 +215,7 @@ def define() -> SimpleNamespace:
         table_base = table_bases[0]
         table_mask = table_masks[0]
         out_base = out_bases[0]
+        transposed_base = transposed_bases[0]
         for m in range(1, MAX_MAPS):
             if wp.int64(m) < maps and index >= starts[m]:
                 start = starts[m]
@@ -221,10 +224,15 @@ def define() -> SimpleNamespace:
                 table_base = table_bases[m]
                 table_mask = table_masks[m]
                 out_base = out_bases[m]
+                transposed_base = transposed_bases[m]
         local = index - start
         key = shifted_key(coords, row_base + local, offsets, offset_base + wp.int64(k))
         found = lookup(key, table_keys, table_values, table_base, table_mask)
         neighbors[out_base + local * volume + wp.int64(k)] = found
+        # The transposed table (source rows, volume), where asked for (base >= 0, filled with -1):
+        # within an offset a source row feeds at most one output row, so no two threads meet.
+        if found >= wp.int32(0) and transposed_base >= wp.int64(0):
+            transposed[transposed_base + wp.int64(found) * volume + wp.int64(k)] = wp.int32(local)
 
     return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
                            insert_levels=insert_levels, query_maps=query_maps, levels_vector=levels_vector,

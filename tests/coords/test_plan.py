@@ -58,6 +58,7 @@ def assert_same_maps(planned: list, lazy: list, planned_cache, lazy_cache) -> No
         assert p_out == q_out, key
         assert torch.equal(planned_cache.coord_set(p_out).coords, lazy_cache.coord_set(q_out).coords), key
         assert torch.equal(p.neighbors, q.neighbors), key
+        assert torch.equal(p.transposed_neighbors, q.transposed_neighbors), key  # a strided one's: from the query
         assert p.pair_counts == q.pair_counts, key
         assert (p.num_in, p.num_out, p.identity_offset, p.each_input_once, p.each_output_once) == (
             q.num_in, q.num_out, q.identity_offset, q.each_input_once, q.each_output_once), key
@@ -77,6 +78,8 @@ def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, one_launch, mo
         planned = requests(x)
         assert len(prebuilt[-1]) == 9  # 4 + 1 dilated + 1 anisotropic subm, 3 down
         assert x.cache._planned == {}, "a planned map was never asked for"
+        strided = [m for key, m in prebuilt[-1].items() if key.stride != (1, 1, 1)]
+        assert len(strided) == 3 and all(("transposed_neighbors" in m.__dict__) == one_launch for m, _ in strided)
         monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
         y = batch(device, seed)
         assert_same_maps(planned, requests(y), x.cache, y.cache)
