@@ -183,6 +183,8 @@ class KernelMap:
     on_view: Callable[[Hashable], None] | None = None
     """Told the key of each view this map's layers use (the first time): the map plan keeps them
     for the next batch's maps (:mod:`.plan`)."""
+    plan_spec: Hashable | None = None
+    """What the map plan knows this map by (its adjoint's views are kept under it too)."""
 
     def derived(self, key: Hashable, build: Callable[[KernelMap], V]) -> V:
         """A backend's own view of this map (e.g. padded groups), built on first use and kept with the

@@ -71,6 +71,8 @@ class Record:
         self.specs: list[MapSpec] = []
         self.views: dict[MapSpec, dict[Hashable, None]] = {}
         """Per map, the keys of the views its layers used (:attr:`KernelMap.on_view`), in order."""
+        self.adjoint_views: dict[MapSpec, dict[Hashable, None]] = {}
+        """The same for the adjoint of the map (a transposed conv's, :meth:`KernelMap.transposed`)."""
         with _lock:
             _history.setdefault(signature, collections.deque(maxlen=HISTORY)).append(self)
 
@@ -79,6 +81,10 @@ class Record:
         if spec is not None and spec not in self.specs:
             self.specs.append(spec)
             kernel_map.on_view = self.views.setdefault(spec, {}).setdefault
+            kernel_map.plan_spec = spec
+        source = kernel_map.transpose_of
+        if spec is None and source is not None and source.plan_spec in self.views:
+            kernel_map.on_view = self.adjoint_views.setdefault(source.plan_spec, {}).setdefault
 
 
 ViewBuilder = Callable[[list[tuple[KernelMap, list[Hashable]]]], None]
@@ -103,10 +109,11 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
     with _lock:
         earlier = list(_history.get(signature, ()))
     plan = list(dict.fromkeys(spec for record in earlier for spec in record.specs))
-    views: dict[MapSpec, dict[Hashable, None]] = {}
+    views: dict[tuple[MapSpec, bool], dict[Hashable, None]] = {}  # by (map, its adjoint?)
     for earlier_record in earlier:
-        for spec, keys in earlier_record.views.items():
-            views.setdefault(spec, {}).update(keys)
+        for adjoint, by_spec in ((False, earlier_record.views), (True, earlier_record.adjoint_views)):
+            for spec, keys in by_spec.items():
+                views.setdefault((spec, adjoint), {}).update(keys)
     record = Record(signature)
     fresh = cache.set_count() == 1 and first.canonical and first.coords.shape[0] > 0
     if not (plan and fresh and config.plan_maps()) or signature in _failed:
@@ -133,11 +140,13 @@ def spec_of(cache: CoordinateCache, key: KernelMapKey) -> MapSpec | None:
     return MapSpec(source.stride, key.kernel_size, key.stride, key.dilation)
 
 
-def prebuild(cache: CoordinateCache, plan: list[MapSpec], views: dict[MapSpec, dict[Hashable, None]] | None = None
+def prebuild(cache: CoordinateCache, plan: list[MapSpec],
+             views: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None
              ) -> dict[KernelMapKey, tuple[KernelMap, int]]:
     """Build the maps of ``plan`` that the input set reaches through power-of-two floors, and
-    through the view builders the ``views`` their counterparts used; returns the maps by key with
-    their output set ids (the coarse sets are registered in ``cache``)."""
+    through the view builders the ``views`` their counterparts (or their adjoints) used; returns
+    the maps by key with their output set ids (the coarse sets are registered in ``cache``; an
+    adjoint with views under its transposed conv's key, which keeps it alive until asked for)."""
     base = cache.coord_set(0).stride
     strides = [base]
     for spec in plan:
@@ -165,8 +174,15 @@ def prebuild(cache: CoordinateCache, plan: list[MapSpec], views: dict[MapSpec, d
         wanted = []
         for spec in plan:
             hit = built.get(_key_of(spec, ids))
-            if hit is not None and views.get(spec):
-                wanted.append((hit[0], list(views[spec])))
+            if hit is None:
+                continue
+            if views.get((spec, False)):
+                wanted.append((hit[0], list(views[spec, False])))
+            if views.get((spec, True)) and hit[0].identity_offset is None:
+                adjoint = hit[0].transposed()
+                up = KernelMapKey(ids[spec.output_stride], spec.kernel_size, spec.stride, spec.dilation, True, False)
+                built[up] = (adjoint, ids[spec.source_stride])
+                wanted.append((adjoint, list(views[spec, True])))
         for builder in _view_builders:
             builder(wanted)
     return built

@@ -239,8 +239,12 @@ def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
         coords = random_coords(700, 16, batch_size=2, low=-8)
         return SparseTensor(coords, torch.randn(len(coords), 2))
 
+    def up_of(x):  # the transposed conv back from the down conv's coordinates: the down map's adjoint
+        coarse = x.cache.kernel_map(down)[1]
+        return KernelMapKey(coarse, (2, 2, 2), (2, 2, 2), (1, 1, 1), True, False)
+
     def use(x):  # the views a layer of each use asks for (a dgrad's groups are mirrored)
-        for key, forward, groups in uses:
+        for key, forward, groups in uses + [(up_of(x), True, [(0, 8)])]:
             kernel_map = x.cache.kernel_map(key)[0]
             for group in groups:
                 mask_triton.sorted_rows(kernel_map, forward, True, group, groups)
@@ -251,12 +255,16 @@ def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
     monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(a[0].numel()) or original(*a, **k))
     x = batch()
     maps = {key: x.cache.kernel_map(key)[0] for key in (subm, down)}  # the plan builds both, then their orders
+    up = up_of(x)
+    maps[up] = x.cache._planned[up][0]  # the adjoint, kept for the transposed conv with its order
+    assert maps[up].transpose_of is maps[down]
     assert len(sorts) == 1, "one torch.sort for every planned order"
     offered = {key: dict(m.__dict__.get("_offered", {})) for key, m in maps.items()}
     assert sorted(k[2:] for k in offered[subm]) == [(0, 13), (0, 14), (0, 27), (13, 27), (14, 27)]
-    assert list(offered[down]) == [("mask_rows", True, 0, 8)]
+    assert list(offered[down]) == list(offered[up]) == [("mask_rows", True, 0, 8)]
     for key, kernel_map in maps.items():
         copy = KernelMap(kernel_map.neighbors, kernel_map.num_in, kernel_map.kernel_size, kernel_map.identity_offset)
+        copy.__dict__["offset_counts"] = kernel_map.offset_counts  # an adjoint's are its source's
         for view_key, order in offered[key].items():
             lo, hi = view_key[2:]
             expected = mask_triton.sorted_rows(copy, True, True, (lo, hi))  # one group, built on its own
