@@ -241,13 +241,14 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
     transposed = [None] * len(queries)
     if one_launch:
         flat = torch.empty((out_base,), dtype=torch.int32, device=coords.device)
-        flat_t = torch.full((transposed_base,), -1, dtype=torch.int32, device=coords.device) if transposed_base else None
+        flat_t = (torch.full((transposed_base,), -1, dtype=torch.int32, device=coords.device)
+                  if transposed_base else None)
         query_many(coords, offsets, tables.keys, tables.values, flat, queries, flat_t)
         neighbors = [flat[q.out_base: q.out_base + q.rows * q.volume].view(q.rows, q.volume) for q in queries]
         for index, (q, spec) in enumerate(zip(queries, specs)):
             if q.transposed_base >= 0:
-                rows_in = _rows_in(cache, ids, spec)
-                transposed[index] = flat_t[q.transposed_base: q.transposed_base + rows_in * q.volume].view(rows_in, q.volume)
+                rows_in, start = _rows_in(cache, ids, spec), q.transposed_base
+                transposed[index] = flat_t[start: start + rows_in * q.volume].view(rows_in, q.volume)
     else:
         neighbors = [source.neighbors(out, offsets[q.offset_base: q.offset_base + q.volume])
                      for out, source, q in zip(outs, sources, queries)]

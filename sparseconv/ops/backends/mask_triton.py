@@ -57,9 +57,6 @@ def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[i
             return sorted_rows(kernel_map, True, sort, (volume - hi, volume - lo), mirrored)
         return sorted_rows(kernel_map.transposed(), True, sort, group, groups)
 
-    def key(lo: int, hi: int) -> tuple:
-        return ("mask_rows" if forward else "mask_rows_t", sort, lo, hi)
-
     def build(m: KernelMap) -> torch.Tensor:
         table = product_table(m, forward)
         if not (sort and table.shape[0] and fused(table)):
@@ -71,10 +68,16 @@ def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[i
         orders = fused_row_orders(table, together, m.offset_counts)
         for other, order in zip(together, orders):
             if other != (lo, hi):
-                m.derived(key(*other), lambda _, order=order: order)
+                m.derived(_rows_key(sort, *other), lambda _, order=order: order)
         return orders[together.index((lo, hi))]
 
-    return kernel_map.derived(key(lo, hi), build)
+    return kernel_map.derived(_rows_key(sort, lo, hi), build)
+
+
+def _rows_key(sort: bool, lo: int, hi: int) -> tuple:
+    """The map's view key of :func:`sorted_rows`'s forward order (a dgrad's is its adjoint's or a
+    mirrored group's forward order)."""
+    return ("mask_rows", sort, lo, hi)
 
 
 def fused(table: torch.Tensor) -> bool:
@@ -164,7 +167,7 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
         if not (table.shape[0] and fused(table)):
             continue
         for key in keys:
-            if (isinstance(key, tuple) and len(key) == 4 and key[:2] == ("mask_rows", True)
+            if (isinstance(key, tuple) and len(key) == 4 and key == _rows_key(True, key[2], key[3])
                     and 0 < key[3] - key[2] <= PLANNED_SHIFT):
                 parts.append((kernel_map, key))
     if len(parts) < 2:
