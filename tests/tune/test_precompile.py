@@ -306,3 +306,45 @@ def test_the_cutlass_backends_compile_one_set_of_tiles_per_dtype_whatever_the_la
     assert get("cutlass_grouped").compiles(FWD, dataclasses.replace(small, dtype=torch.bfloat16), {}) not in gemm
     sm90 = {get("cutlass_sm90").compiles(FWD, problem, {}) for problem in (small, large)}
     assert len(sm90) == 1 and not sm90 & gemm
+
+
+def test_a_rank_beside_one_timing_a_key_runs_the_reference_then_compiles_the_published_choice_in_a_worker(
+        tmp_path, monkeypatch):
+    # Ranks of a job: another rank claimed this key and times it. On a GPU this rank must not
+    # compile anything in the call meanwhile (a DDP step would wait for every such compile), and
+    # the choice the other rank publishes compiles in a worker process while the reference runs.
+    import os
+
+    import background_fakes
+
+    from sparseconv.tune import tuner
+
+    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)  # the CPU stands in for a GPU here
+    monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
+    monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
+    published = {FWD: ""}  # "": claimed by another rank, not published yet
+    monkeypatch.setattr(tuner, "claim", lambda namespace, key: published.get(namespace))
+    calls = Calls()
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
+    weight = torch.randn(27, 4, 5, dtype=torch.float32)
+    kernel_map = x.cache.kernel_map(sparseconv.coords.KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1),
+                                                                   False, False))[0]
+    expected = explicit.run(FWD, None, {}, x.feats, weight, kernel_map)
+
+    def conv() -> str:
+        record = {}
+        out = sparse_conv3d(x, weight, record=record, fwd_algo=["fake_compiled"])
+        torch.testing.assert_close(out.feats, expected)
+        return record[FWD]
+
+    with registered(_background_backend(calls)):
+        assert [conv() for _ in range(2)] == ["explicit_gemm"] * 2  # the other rank is still timing
+        assert not (tmp_path / "compiled.log").exists() and sum(calls.of(f"run[{i}]") for i in range(LEVELS)) == 0
+        published[FWD] = "fake_compiled[level=2]"
+        assert conv() == "explicit_gemm"  # its kernels compile in a worker, held until released
+        assert not sparseconv.tune.wait_for_compiles(timeout=0.5)
+        (tmp_path / "release").touch()
+        assert sparseconv.tune.wait_for_compiles(timeout=60)
+        assert conv() == "fake_compiled[level=2]"
+    compiled = (tmp_path / "compiled.log").read_text().split()
+    assert len(compiled) == 1 and compiled[0] != str(os.getpid())
