@@ -7,7 +7,9 @@ different N. BatchNorms become SyncBatchNorms on CUDA (torch's SyncBatchNorm run
 on CPU each rank keeps its own statistics). Rank 0 shows the progress bar and prints:
 
   samples/s       scenes per second over all ranks, steps after --warmup-steps (wall time of
-                  rank 0; DDP's gradient all-reduce keeps the ranks in step)
+                  rank 0; DDP's gradient all-reduce keeps the ranks in step), once the kernels
+                  still compiling in the background after the warm-up steps are compiled
+  waited          how long each rank waited for those compiles
   first step      each rank's first step, seconds: kernel maps, Warp JIT, and the tuner's sweeps
                   (empty cache unless SPARSECONV_CACHE_DIR holds one)
   choice table    per (namespace, key) the candidate each rank settled on; the script exits 1
@@ -135,8 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         from tqdm import tqdm
 
         progress = tqdm(total=args.steps, desc=f"training on {world} {device.type} process(es)", unit="step")
-    step_seconds = []
+    step_seconds, compile_wait = [], 0.0
     for step in range(args.steps):
+        if step == args.warmup_steps:
+            # samples/s is the steady state: kernels still compiling in the background (the
+            # reference runs meanwhile) are waited for here, on every rank, and the wait reported.
+            waited = time.perf_counter()
+            tune.wait_for_compiles()
+            compile_wait = time.perf_counter() - waited
         coords, feats, labels = batches[step % len(batches)]
         start = time.perf_counter()
         loss = loss_fn(model(coords, feats), labels)
@@ -151,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if progress is not None:
         progress.close()
 
-    mine = {"choices": [list(c) for c in tune.get_tuner().choices()], "step_seconds": step_seconds}
+    mine = {"choices": [list(c) for c in tune.get_tuner().choices()], "step_seconds": step_seconds,
+            "compile_wait": compile_wait}
     tune.reset()  # flush this rank's tunings into the shared cache file
     results = [None] * world
     if distributed:
@@ -171,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"samples/s {samples_per_s:.2f} (steps {args.warmup_steps + 1}-{args.steps}, "
               f"median step {sorted(timed)[len(timed) // 2]:.3f} s)")
         print("first step s: " + ", ".join(f"rank {r} {res['step_seconds'][0]:.2f}" for r, res in enumerate(results)))
+        print("waited for background compiles after the warm-up steps, s: "
+              + ", ".join(f"rank {r} {res['compile_wait']:.2f}" for r, res in enumerate(results)))
         print("\n".join(lines))
         verdict = f"ranks disagree on {disagreements} key(s)" if disagreements else "ranks agree on every key"
         print(f"{verdict}; cache {tune.get_tuner().cache.path}: {len(entries)} entries")
