@@ -246,8 +246,8 @@ class CoordHashTable:
         buffer = torch.full((capacity + n + 4,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
         table = cls(buffer[:capacity], _values(capacity, buffer.device))
         keys, flags = buffer[capacity: capacity + n], buffer[capacity + n:]
-        _launch(_kernels().insert_checked, n, [coords.contiguous(), *stride, keys, table.keys, table.values, capacity - 1, flags],
-                coords.device)
+        _launch(_kernels().insert_checked, n,
+                [coords.contiguous(), *stride, keys, table.keys, table.values, capacity - 1, flags], coords.device)
         return table, keys, flags
 
     def neighbors(self, coords: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

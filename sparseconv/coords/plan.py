@@ -28,8 +28,8 @@ import torch
 
 from .. import config
 from .hashing import (
-    MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, _capacity, floor_mask, floors_by_mask, insert_sets,
-    query_many, unpack_keys,
+    EMPTY_KEY, MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, _capacity, _values, floor_mask, floors_by_mask,
+    insert_sets, query_many, unpack_keys,
 )
 from .kernel_map import KernelMap, KernelMapKey, Triple, _nonzero, offset_deltas
 
@@ -209,8 +209,8 @@ def _add_levels(cache: CoordinateCache, strides: list[Triple]) -> Levels:
     starts = [0, *itertools.accumulate(counts)]
     capacities = [_capacity(n) for n in counts]
     bases = [0, *itertools.accumulate(capacities)]
-    table = CoordHashTable(torch.full((bases[-1],), -1, dtype=torch.int64, device=keys.device),
-                           torch.empty((bases[-1],), dtype=torch.int32, device=keys.device))
+    table = CoordHashTable(torch.full((bases[-1],), EMPTY_KEY, dtype=torch.int64, device=keys.device),
+                           _values(bases[-1], keys.device))
     insert_sets(unique, starts[:-1], table.keys, table.values, bases[:-1], capacities)
     for level, stride in enumerate(strides):
         rows, slots = slice(starts[level], starts[level + 1]), slice(bases[level], bases[level + 1])

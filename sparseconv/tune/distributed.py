@@ -9,9 +9,10 @@ process, no rank blocks on another.
 A cold key is timed by one rank only: the first to :func:`claim` it. While that rank times, the
 others run the reference on a GPU (nothing to compile; the pool's first candidate elsewhere),
 look again at their next call, and take the published choice as soon as it is there (on a GPU
-its kernels compile in a worker process first, as a cached choice's do). A rank that dies mid-sweep normally ends the job attempt, and
-torchrun gives each attempt a new store; where a store outlives its processes, a claim left
-unpublished for CLAIM_TIMEOUT_S is taken over by the next rank that meets the key.
+its kernels compile in a worker process first, as a cached choice's do). A rank that dies
+mid-sweep normally ends the job attempt, and torchrun gives each attempt a new store; where a
+store outlives its processes, a claim left unpublished for CLAIM_TIMEOUT_S is taken over by the
+next rank that meets the key.
 """
 
 from __future__ import annotations
