@@ -43,7 +43,7 @@ def run_gemm(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Ten
                                      a, w, gather, scatter, offset_ptr, out)
         grid = (kernel_map.kernel_volume, kernels.triton.cdiv(longest, options["BLOCK_P"]),
                 kernels.triton.cdiv(out_dim, options["BLOCK_N"]))
-        kernels.pairs_gemm[grid](*args, **options)
+        tk.launch(kernels.pairs_gemm, grid, *args, **options)
     return out.to(a.dtype)
 
 
@@ -82,7 +82,7 @@ def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Te
     if kernel_map.num_pairs and c_in and c_out:
         args, options = _wgrad_launch(c_in, c_out, a.dtype, params, a, b, in_idx, out_idx, offset_ptr, dw)
         tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
-        kernels.pairs_wgrad[(kernel_map.kernel_volume, tiles, int(params["split"]))](*args, **options)
+        tk.launch(kernels.pairs_wgrad, (kernel_map.kernel_volume, tiles, int(params["split"])), *args, **options)
     return dw.to(a.dtype)
 
 

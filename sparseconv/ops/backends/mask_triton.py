@@ -106,7 +106,7 @@ def fused_row_orders(table: torch.Tensor, groups: Sequence[tuple[int, int]], cou
     keys = torch.empty(parts * stride, dtype=_key_dtype(groups), device=table.device)
     kernels = tk.kernels()
     args, options = _masks_launch(table, counts, keys, rows, table.stride(0), stride, groups)
-    kernels.row_masks[(kernels.triton.cdiv(stride, MASK_ROWS), parts)](*args, **options)
+    tk.launch(kernels.row_masks, (kernels.triton.cdiv(stride, MASK_ROWS), parts), *args, **options)
     order = torch.sort(keys, stable=True).indices
     if parts == 1:
         return [order]
@@ -182,7 +182,7 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
         table = kernel_map.neighbors
         args, options = _masks_launch(table, kernel_map.offset_counts, keys[base: base + size], table.shape[0],
                                       table.stride(0), size, [key[2:]], index, PLANNED_SHIFT)
-        kernels.row_masks[(kernels.triton.cdiv(size, MASK_ROWS), 1)](*args, **options)
+        tk.launch(kernels.row_masks, (kernels.triton.cdiv(size, MASK_ROWS), 1), *args, **options)
     order = torch.sort(keys, stable=True).indices
     starts = torch.tensor([bases[:-1], sizes], dtype=torch.int64).to(device, non_blocking=True)
     order -= torch.repeat_interleave(starts[0], starts[1], output_size=bases[-1])
@@ -289,7 +289,7 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
             if tiles:
                 args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0),
                                              lo, width, block_m)
-                tk.kernels().tile_plan[(tiles,)](*args, **options)
+                tk.launch(tk.kernels().tile_plan, (tiles,), *args, **options)
             return used, offsets, counts, slots
         # The visited rows' sources, padded with "none" to whole tiles: the lists and the slots both read it.
         padded = torch.full((tiles * block_m, width), -1, dtype=torch.int32, device=device)
@@ -333,7 +333,7 @@ def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -
         grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
         args, options = _rows_launch(params, a.dtype, step, (a, w, slots, rows, offsets, counts, out),
                                      table.shape[0], reduce_dim, out_dim, offsets.shape[1], strides)
-        kernels.rows_gemm[grid](*args, **options)
+        tk.launch(kernels.rows_gemm, grid, *args, **options)
     return out
 
 

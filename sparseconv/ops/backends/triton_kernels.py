@@ -228,6 +228,59 @@ def _define() -> SimpleNamespace:
                            row_masks=row_masks, tile_plan=tile_plan)
 
 
+def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
+    """``kernel[grid](*args, **options)``, with ~10 µs less host time a launch once compiled.
+
+    Triton's own launch binds the arguments and derives its specialisation key from each of them
+    (~19 µs of host time on an H100 host; a MinkUNet training step makes ~170 launches). Here a
+    key at least as fine as Triton's (each tensor's dtype and 16-byte alignment, each integer's
+    properties Triton specialises on, the options) maps to the compiled kernel Triton's launch
+    returned the first time, which is then launched directly. Any other case (the interpreter, a
+    Triton without this calling convention) goes through Triton's launch every time.
+    """
+    # The first argument's device, as a device index is cheaper to read there than current_device().
+    key = (kernel, args[0].get_device(), *map(_specialisation, args), *options.items())
+    held = _COMPILED.get(key)
+    if held is not None:
+        compiled, trailing = held
+        compiled[grid + (1,) * (3 - len(grid))](*args, *[options[name] for name in trailing])
+        return
+    compiled = kernel[grid](*args, **options)
+    trailing = tuple(kernel.arg_names[len(args):]) if hasattr(kernel, "arg_names") else None
+    if (_direct_launches() and hasattr(compiled, "packed_metadata") and trailing is not None
+            and all(name in options for name in trailing)):
+        _COMPILED[key] = (compiled, trailing)
+
+
+_COMPILED: dict[tuple, tuple] = {}
+"""launch key -> (Triton's compiled kernel, the names of its parameters given as options)."""
+
+
+def _specialisation(arg):
+    """What of a launch argument can select another binary: finer than Triton's key, never coarser
+    (a tensor's dtype and 16-byte alignment; an integer's being 1, its divisibility by 16 and its
+    width; a constant's value)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, int):
+        return arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg >= 2**63
+    if isinstance(arg, float):
+        return float
+    return arg
+
+
+@functools.cache
+def _direct_launches() -> bool:
+    """Whether a compiled kernel takes every parameter in signature order, constants included
+    (Triton 3.3 on; 3.2 took only the others), and the interpreter is off."""
+    import triton
+
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 3) and not config.triton_interpret()
+
+
 def unsupported(problem) -> str | None:
     """Why the Triton backends cannot run ``problem``, or None."""
     if problem.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -1,0 +1,97 @@
+"""triton_kernels.launch: a compiled kernel is launched directly only for arguments that select
+the binary Triton compiled for them (checked with a stand-in kernel: no GPU, no compiler)."""
+
+import pytest
+import torch
+
+from sparseconv.ops.backends import triton_kernels as tk
+
+
+class Compiled:
+    """What Triton's launch returns: a compiled kernel, launched by ``[grid](*all_arguments)``."""
+
+    packed_metadata = b""
+
+    def __init__(self, launches: list) -> None:
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append(("direct", grid, args))
+
+
+class Kernel:
+    """A stand-in JITFunction: ``[grid](*args, **options)`` records a launch through Triton."""
+
+    arg_names = ["a_ptr", "out_ptr", "rows", "BLOCK"]
+
+    def __init__(self, returns_compiled: bool = True) -> None:
+        self.launches: list = []
+        self.returns_compiled = returns_compiled
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            self.launches.append(("triton", grid, args, options))
+            return Compiled(self.launches) if self.returns_compiled else None
+        return run
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    monkeypatch.setattr(tk, "_direct_launches", lambda: True)
+    monkeypatch.setattr(tk, "_COMPILED", {})
+
+
+def ways(kernel: Kernel) -> list[str]:
+    return [launch[0] for launch in kernel.launches]
+
+
+def test_a_repeated_launch_goes_direct_with_every_parameter_in_order(direct):
+    kernel = Kernel()
+    a, out = torch.zeros(64), torch.zeros(64)
+    tk.launch(kernel, (3,), a, out, 1000, BLOCK=32, num_warps=4)
+    tk.launch(kernel, (5,), a, out, 1000, BLOCK=32, num_warps=4)
+    assert ways(kernel) == ["triton", "direct"]
+    # the grid padded to three dimensions; the constant BLOCK passed by position, num_warps (an option) not
+    assert kernel.launches[1][1:] == ((5, 1, 1), (a, out, 1000, 32))
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "divisible by 16", "one", "int64", "constant", "option"])
+def test_whatever_triton_specialises_on_goes_through_triton_again(direct, change):
+    kernel = Kernel()
+    storage = torch.zeros(128)
+    first = dict(a=storage[:64], out=torch.zeros(64), rows=1000, BLOCK=32, num_warps=4)
+    second = dict(first)
+    if change == "alignment":
+        second["a"] = storage[1:65]  # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        second["a"] = first["a"].half()
+    elif change == "divisible by 16":
+        second["rows"] = 1008
+    elif change == "one":
+        second["rows"] = 1
+    elif change == "int64":
+        second["rows"] = 2**31 + 3
+    elif change == "constant":
+        second["BLOCK"] = 64
+    else:
+        second["num_warps"] = 8
+    for launch in (first, second, second):
+        tk.launch(kernel, (1,), launch["a"], launch["out"], launch["rows"], BLOCK=launch["BLOCK"],
+                  num_warps=launch["num_warps"])
+    assert ways(kernel) == ["triton", "triton", "direct"]
+
+
+def test_without_a_compiled_kernel_every_launch_goes_through_triton(direct):
+    """The interpreter's launch returns no compiled kernel."""
+    kernel = Kernel(returns_compiled=False)
+    for _ in range(3):
+        tk.launch(kernel, (1,), torch.zeros(4), torch.zeros(4), 7, BLOCK=32)
+    assert ways(kernel) == ["triton"] * 3
+
+
+def test_a_parameter_left_to_its_default_keeps_triton_launching(direct):
+    """Direct launches need every parameter; one left to its default is not known here."""
+    kernel = Kernel()
+    for _ in range(2):
+        tk.launch(kernel, (1,), torch.zeros(4), torch.zeros(4), 7)
+    assert ways(kernel) == ["triton", "triton"]
