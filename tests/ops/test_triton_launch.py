@@ -95,3 +95,26 @@ def test_a_parameter_left_to_its_default_keeps_triton_launching(direct):
     for _ in range(2):
         tk.launch(kernel, (1,), torch.zeros(4), torch.zeros(4), 7)
     assert ways(kernel) == ["triton", "triton"]
+
+
+def test_a_bound_launch_takes_its_operands_and_keeps_the_rest(direct):
+    """A Bound launch runs the compiled kernel with the given tensors in their places, the fixed
+    arguments and constants in theirs; an operand at another alignment or dtype goes through
+    Triton again (another binary), and then direct as well."""
+    kernel = Kernel()
+    kernel.arg_names = ["a_ptr", "view_ptr", "rows", "out_ptr", "BLOCK"]
+    view, storage = torch.zeros(8), torch.zeros(128)
+    bound = tk.Bound(kernel, (2,), [None, view, 96, None], {"BLOCK": 32}, varying=(0, 3))
+    aligned, out = storage[:64], torch.zeros(64)
+    unaligned = storage[1:65]
+    bound(aligned, out)
+    bound(aligned, out)
+    bound(unaligned, out)
+    bound(unaligned, out)
+    bound(aligned.half(), out)
+    assert ways(kernel) == ["triton", "direct", "triton", "direct", "triton"]
+    grid, args = kernel.launches[1][1:]
+    assert grid == (2, 1, 1) and len(args) == 5
+    assert args[0] is aligned and args[1] is view and args[2] == 96 and args[3] is out and args[4] == 32
+    assert kernel.launches[3][2][0] is unaligned
+    assert bound.args == [None, view, 96, None]  # a call leaves the bound arguments as they were

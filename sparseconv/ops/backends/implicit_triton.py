@@ -74,16 +74,28 @@ def precompile_gemm(namespace: str, problem: ConvProblem, params: Mapping, kerne
 
 
 def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
-    kernels = tk.kernels()
     a, b = a.contiguous(), b.contiguous()
-    c_in, c_out = a.shape[1], b.shape[1]
-    in_idx, out_idx, offset_ptr = kernel_map.pairs
-    dw = torch.zeros((kernel_map.kernel_volume, c_in, c_out), dtype=torch.float32, device=a.device)
+    key = ("wgrad_product", a.shape[1], b.shape[1], a.dtype, tuple(params.items()))
+    return kernel_map.derived(key, lambda m: _wgrad_product(m, params, a.shape[1], b.shape[1], a.dtype))(a, b)
+
+
+def _wgrad_product(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
+    """dW (K, C_in, C_out) as a function of (a, b), everything else fixed once per (map, parameters)."""
+    volume, launch = kernel_map.kernel_volume, None
     if kernel_map.num_pairs and c_in and c_out:
-        args, options = _wgrad_launch(c_in, c_out, a.dtype, params, a, b, in_idx, out_idx, offset_ptr, dw)
+        kernels = tk.kernels()
+        in_idx, out_idx, offset_ptr = kernel_map.pairs
+        args, options = _wgrad_launch(c_in, c_out, dtype, params, None, None, in_idx, out_idx, offset_ptr, None)
         tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
-        tk.launch(kernels.pairs_wgrad, (kernel_map.kernel_volume, tiles, int(params["split"])), *args, **options)
-    return dw.to(a.dtype)
+        launch = tk.Bound(kernels.pairs_wgrad, (volume, tiles, int(params["split"])), args, options, varying=(0, 1, 5))
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        dw = torch.zeros((volume, c_in, c_out), dtype=torch.float32, device=a.device)
+        if launch is not None:
+            launch(a, b, dw)
+        return dw.to(a.dtype)
+
+    return product
 
 
 def _wgrad_launch(c_in: int, c_out: int, dtype: torch.dtype, params: Mapping, *tensors) -> tuple[tuple, dict]:

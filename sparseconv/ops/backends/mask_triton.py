@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -316,30 +316,42 @@ def _plan_launch(table, rows, used, offsets, counts, slots, num_rows: int, row_s
             dict(BLOCK_M=block_m, WIDTH=_width(width)))
 
 
-def _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides) -> torch.Tensor:
-    """One launch per offset group: the first stores every row, the later ones add theirs (rows
-    are re-sorted per group, so each group's tiles are dense in the offsets they visit)."""
+def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_dim: int, out_dim: int,
+                  strides: tuple[int, int, int], dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The product as a function of (a, w): one launch per offset group, the first storing every
+    row, the later ones adding theirs (rows are re-sorted per group, so each group's tiles are dense
+    in the offsets they visit). Everything but the operands and the output (views, grid, sizes,
+    options) is fixed here, once per (map, product, parameters): the layers on one map call it."""
     kernels = tk.kernels()
     table = product_table(kernel_map, forward)
-    out = new_output((table.shape[0], out_dim), a)
-    if out.numel() == 0:
-        return out.zero_()
+    num_rows = table.shape[0]
     bm, bn = int(params["block_m"]), int(params["block_n"])
     sort = bool(params.get("sort", True))
     groups = offset_groups(table.shape[1], int(params.get("splits", 1)))
-    for step, group in enumerate(groups):
-        rows = sorted_rows(kernel_map, forward, sort, group, groups)
-        _, offsets, counts, slots = tile_plan(kernel_map, forward, sort, bm, group)
-        grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
-        args, options = _rows_launch(params, a.dtype, step, (a, w, slots, rows, offsets, counts, out),
-                                     table.shape[0], reduce_dim, out_dim, offsets.shape[1], strides)
-        tk.launch(kernels.rows_gemm, grid, *args, **options)
-    return out
+    launches = []
+    if num_rows and out_dim:
+        for step, group in enumerate(groups):
+            rows = sorted_rows(kernel_map, forward, sort, group, groups)
+            _, offsets, counts, slots = tile_plan(kernel_map, forward, sort, bm, group)
+            grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
+            args, options = _rows_launch(params, dtype, step, (None, None, slots, rows, offsets, counts, None),
+                                         num_rows, reduce_dim, out_dim, offsets.shape[1], strides)
+            launches.append(tk.Bound(kernels.rows_gemm, grid, args, options, varying=(0, 1, 6)))
+
+    def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = new_output((num_rows, out_dim), a)
+        if not launches:
+            return out.zero_()
+        for launch in launches:
+            launch(a, w, out)
+        return out
+
+    return product
 
 
 def _rows_launch(params: Mapping, dtype: torch.dtype, step: int, tensors: tuple, num_rows: int, reduce_dim: int,
                  out_dim: int, list_len: int, strides: tuple) -> tuple[tuple, dict]:
-    """rows_gemm's arguments and options (one place for :func:`_run_rows` and :func:`precompile`)."""
+    """rows_gemm's arguments and options (one place for :func:`_rows_product` and :func:`precompile`)."""
     options = dict(BLOCK_M=int(params["block_m"]), BLOCK_N=int(params["block_n"]), BLOCK_K=int(params["block_k"]),
                    PRECISION=tk.precision(dtype), ACCUMULATE=step > 0, **tk.launch_options(params))
     return (*tensors, num_rows, reduce_dim, out_dim, list_len, *strides), options
@@ -385,12 +397,18 @@ def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map
 
 def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
     a, w = a.contiguous(), b.contiguous()
-    forward, reduce_dim, out_dim, strides = _product(namespace, w.shape[1], w.shape[2])
+    key = ("rows_product", namespace, w.shape[1], w.shape[2], a.dtype, tuple(params.items()))
+    return kernel_map.derived(key, lambda m: _product_of(m, namespace, params, w.shape[1], w.shape[2], a.dtype))(a, w)
+
+
+def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
+    forward, reduce_dim, out_dim, strides = _product(namespace, c_in, c_out)
     if not forward and kernel_map.identity_offset is None:
-        # The transposed table is the adjoint's forward table (see sorted_rows): run on the adjoint,
-        # held here so that the views built for this call stay with it.
+        # The transposed table is the adjoint's forward table (see sorted_rows): run on the adjoint.
+        # The product keeps the adjoint's views it launches with, not the adjoint (which refers to
+        # this map: a cycle would keep both maps' tables until a full garbage collection).
         kernel_map, forward = kernel_map.transposed(), True
-    return _run_rows(a, w, kernel_map, forward, params, reduce_dim, out_dim, strides)
+    return _rows_product(kernel_map, forward, params, reduce_dim, out_dim, strides, dtype)
 
 
 TILES = [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
