@@ -94,18 +94,29 @@ def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap, determ
     c_in, c_out = problem.in_channels, problem.out_channels
     if namespace == "ABt_gather_scatter":
         num_in, num_out, c_in, c_out = num_out, num_in, c_out, c_in
-    geometry = "x".join(map(str, problem.stride))
-    geometry = ("t" if problem.transposed else "s") + geometry + ("g" if problem.generative else "")
+    return _key(namespace, size_bucket(num_in), size_bucket(num_out),
+                density_bucket(kernel_map.num_pairs, kernel_map.num_out * kernel_map.kernel_volume), c_in, c_out,
+                problem.kernel_volume, problem.stride, problem.transposed, problem.generative, problem.dtype,
+                device_identity(problem.device), deterministic)
+
+
+@functools.lru_cache(maxsize=4096)
+def _key(namespace: str, num_in: int, num_out: int, density: int, c_in: int, c_out: int, kernel_volume: int,
+         stride: tuple[int, int, int], transposed: bool, generative: bool, dtype: torch.dtype, device: str,
+         deterministic: bool) -> TuneKey:
+    """One TuneKey object per distinct key: every batch's new maps (a key each per layer and
+    product) share it instead of building and hashing a new one (~14 µs a key on an H100 host)."""
+    geometry = ("t" if transposed else "s") + "x".join(map(str, stride)) + ("g" if generative else "")
     return TuneKey(
         namespace=namespace,
-        num_in=size_bucket(num_in),
-        num_out=size_bucket(num_out),
-        density=density_bucket(kernel_map.num_pairs, kernel_map.num_out * kernel_map.kernel_volume),
+        num_in=num_in,
+        num_out=num_out,
+        density=density,
         in_channels=c_in,
         out_channels=c_out,
-        kernel_volume=problem.kernel_volume,
+        kernel_volume=kernel_volume,
         geometry=geometry,
-        dtype=str(problem.dtype).removeprefix("torch."),
-        device=device_identity(problem.device),
+        dtype=str(dtype).removeprefix("torch."),
+        device=device,
         deterministic=deterministic,
     )

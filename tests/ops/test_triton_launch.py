@@ -118,3 +118,16 @@ def test_a_bound_launch_takes_its_operands_and_keeps_the_rest(direct):
     assert args[0] is aligned and args[1] is view and args[2] == 96 and args[3] is out and args[4] == 32
     assert kernel.launches[3][2][0] is unaligned
     assert bound.args == [None, view, 96, None]  # a call leaves the bound arguments as they were
+
+
+def test_a_new_bound_launch_finds_the_kernel_compiled_for_an_earlier_one(direct):
+    """A new map's product (other views and grid, the same forms) launches the kernel compiled for
+    the last map's directly, from its first call."""
+    kernel = Kernel()
+    kernel.arg_names = ["a_ptr", "view_ptr", "rows", "out_ptr", "BLOCK"]
+    a, out = torch.zeros(64), torch.zeros(64)
+    tk.Bound(kernel, (2,), [None, torch.zeros(8), 96, None], {"BLOCK": 32}, varying=(0, 3))(a, out)
+    tk.Bound(kernel, (7,), [None, torch.zeros(12), 112, None], {"BLOCK": 32}, varying=(0, 3))(a, out)
+    tk.Bound(kernel, (7,), [None, torch.zeros(12), 100, None], {"BLOCK": 32}, varying=(0, 3))(a, out)
+    assert ways(kernel) == ["triton", "direct", "triton"]  # 100 is not divisible by 16: another binary
+    assert kernel.launches[1][1] == (7, 1, 1) and kernel.launches[1][2][2] == 112

@@ -237,11 +237,16 @@ def launch(kernel, grid: tuple[int, ...], *args, **options):
     key at least as fine as Triton's (each tensor's dtype and 16-byte alignment, each integer's
     properties Triton specialises on, the options) maps to the compiled kernel Triton's launch
     returned the first time, which is then launched directly. Any other case (the interpreter, a
-    Triton without this calling convention) goes through Triton's launch every time. Returns the
-    direct launcher of these arguments (see :class:`Bound`), or None.
+    Triton without this calling convention) goes through Triton's launch every time.
     """
+    _launch(kernel, grid, args, options, tuple(map(_specialisation, args)))
+
+
+def _launch(kernel, grid: tuple[int, ...], args: Sequence, options: Mapping, specs: tuple) -> tuple | None:
+    """:func:`launch` given the arguments' specialisations; returns (compiled kernel, names of the
+    parameters given as options) where direct launches apply, else None."""
     # The first argument's device, as a device index is cheaper to read there than current_device().
-    key = (kernel, args[0].get_device(), *map(_specialisation, args), *options.items())
+    key = (kernel, args[0].get_device(), *specs, *options.items())
     held = _COMPILED.get(key)
     if held is None:
         compiled = kernel[grid](*args, **options)
@@ -264,11 +269,14 @@ class Bound:
     """One launch of ``kernel`` whose arguments are fixed but for the tensors at positions
     ``varying``, given to each call (a product's operands and output; the map's views, sizes and
     options stay). A call costs the host the compiled kernel's own launch (~9 µs on an H100 host)
-    and a look at the given tensors' dtypes and alignment: no specialisation key of the fixed ones."""
+    and a look at the given tensors' dtypes and alignment; a first call, the key of the varying
+    ones only (the fixed ones' specialisations are taken once, here), so a new map's products find
+    the kernels compiled for the last map's without Triton's launch."""
 
     def __init__(self, kernel, grid: tuple[int, ...], args: Sequence, options: Mapping, varying: Sequence[int]):
         self.kernel, self.grid, self.args, self.options = kernel, tuple(grid), list(args), dict(options)
         self.varying = tuple(varying)
+        self._specs = [None if at in self.varying else _specialisation(arg) for at, arg in enumerate(self.args)]
         self._runners: dict[tuple, Callable] = {}
 
     def __call__(self, *tensors: torch.Tensor) -> None:
@@ -280,7 +288,10 @@ class Bound:
         if runner is not None:
             runner(*args)
             return
-        held = launch(self.kernel, self.grid, *args, **self.options)
+        specs = self._specs.copy()
+        for at, tensor in zip(self.varying, tensors):
+            specs[at] = _specialisation(tensor)
+        held = _launch(self.kernel, self.grid, args, self.options, tuple(specs))
         if held is not None:
             compiled, trailing = held
             run = compiled[self.grid + (1,) * (3 - len(self.grid))]
