@@ -80,16 +80,22 @@ def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Te
 
 
 def _wgrad_product(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
-    """dW (K, C_in, C_out) as a function of (a, b), everything else fixed once per (map, parameters)."""
-    volume, launch = kernel_map.kernel_volume, None
+    """dW (K, C_in, C_out) as a function of (a, b), everything else fixed once per (map, parameters).
+    Split K ways, the splits add into an fp32 buffer, cast after; unsplit, the kernel stores every
+    element in a's dtype (no zero fill, no cast pass: two launches fewer)."""
+    volume, launch, split = kernel_map.kernel_volume, None, int(params["split"])
     if kernel_map.num_pairs and c_in and c_out:
         kernels = tk.kernels()
         in_idx, out_idx, offset_ptr = kernel_map.pairs
         args, options = _wgrad_launch(c_in, c_out, dtype, params, None, None, in_idx, out_idx, offset_ptr, None)
         tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
-        launch = tk.Bound(kernels.pairs_wgrad, (volume, tiles, int(params["split"])), args, options, varying=(0, 1, 5))
+        launch = tk.Bound(kernels.pairs_wgrad, (volume, tiles, split), args, options, varying=(0, 1, 5))
 
     def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if launch is not None and split == 1:
+            dw = mask_triton.new_output((volume, c_in, c_out), a)
+            launch(a, b, dw)
+            return dw
         dw = torch.zeros((volume, c_in, c_out), dtype=torch.float32, device=a.device)
         if launch is not None:
             launch(a, b, dw)
@@ -111,8 +117,9 @@ def precompile_wgrad(namespace: str, problem: ConvProblem, params: Mapping, kern
     if problem.device.type != "cuda":
         return
     index = torch.int64  # KernelMap.pairs
+    dw = problem.dtype if int(params["split"]) == 1 else torch.float32  # see _wgrad_product
     args, options = _wgrad_launch(problem.in_channels, problem.out_channels, problem.dtype, params,
-                                  problem.dtype, problem.dtype, index, index, index, torch.float32)
+                                  problem.dtype, problem.dtype, index, index, index, dw)
     tk.warm(tk.kernels().pairs_wgrad, problem.device, *args, **options)
 
 

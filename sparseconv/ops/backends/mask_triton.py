@@ -231,7 +231,7 @@ def bitmask_order(present: torch.Tensor, bit_order: torch.Tensor) -> torch.Tenso
     return torch.argsort((present[:, bit_order].to(torch.int64) * weights).sum(1), stable=True)
 
 
-def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+def new_output(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """The kernel writes every element (tests poison this buffer to prove it)."""
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 

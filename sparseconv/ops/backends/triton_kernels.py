@@ -14,7 +14,7 @@ each where torch needed about ten ops):
   offset, multiplies and atomically adds into an fp32 output (or, where every output row has
   one pair in the whole map, stores straight into the output dtype: ATOMIC=False).
 - ``pairs_wgrad``: dW_k = A[in_k]^T B[out_k] over the pairs of offset k, split SPLIT ways along
-  the pairs (split-K); splits meet through fp32 atomics.
+  the pairs (split-K); splits meet through fp32 atomics, and one split stores dW in its dtype.
 
 The weight is addressed through strides, so dgrad reads W_k^T without a copy.
 """
@@ -172,8 +172,8 @@ def _define() -> SimpleNamespace:
         target = dw_ptr + k * c_in * c_out + rm[:, None] * c_out + rn[None, :]
         if ATOMIC:
             tl.atomic_add(target, acc, mask=rm_ok[:, None] & rn_ok[None, :])
-        else:
-            tl.store(target, acc, mask=rm_ok[:, None] & rn_ok[None, :])
+        else:  # every (offset, tile) program stores, pairs or none: dW in its own dtype, no zero fill
+            tl.store(target, acc.to(dw_ptr.dtype.element_ty), mask=rm_ok[:, None] & rn_ok[None, :])
 
     @triton.jit(do_not_specialize=["rows", "row_stride", "stride", "b0", "b1", "b2", "b3", "tag"])
     def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, stride, b0, b1, b2, b3, tag,
