@@ -28,13 +28,18 @@ __all__ = ["DEFAULT_MODE", "FALLBACK", "LEVELS", "PIN_ARGUMENT", "AlgoMode", "ca
            "parse_mode", "resolve_mode"]
 
 
-def resolve_mode(namespace: str, pin: str | Sequence[str] | None) -> AlgoMode:
-    """The call's pin if given, else the namespace's environment variable, else auto."""
+_READ: str = "<read the environment>"  # resolve_mode's default: not a valid mode, so never a caller's value
+
+
+def resolve_mode(namespace: str, pin: str | Sequence[str] | None, value: str | None = _READ) -> AlgoMode:
+    """The call's pin if given, else the namespace's environment variable (``value``, if the caller
+    read it: :func:`sparseconv.config.product_settings`), else auto."""
     if pin is not None:
         return checked_mode(pin, namespace, PIN_ARGUMENT[namespace])
-    variable, value = config.algo_mode(namespace)
+    if value is _READ:
+        value = config.algo_mode(namespace)[1]
     if value is not None:
-        return checked_mode(value, namespace, variable)
+        return checked_mode(value, namespace, config.ALGO_MODE_VARIABLES[namespace])
     return DEFAULT_MODE
 
 

@@ -84,14 +84,14 @@ class Tuner:
         Decided once per (problem or key, mode, effort) and then remembered for the process: a
         small layer's call costs a few µs of host time here, not a pool build or a key hash.
         """
-        mode = resolve_mode(namespace, pin)
-        deterministic = config.deterministic()  # in the key and memo: its choices are never the others'
+        mode_value, deterministic, effort = config.product_settings(namespace)
+        mode = resolve_mode(namespace, pin, mode_value)
+        # deterministic is in the key and memo: its choices are never the others'
         if mode.single:
             # A named backend's candidate depends on the problem only, never on the map's density.
             memo: tuple = (namespace, problem, mode.names, deterministic)
             effort = "quick"
         else:
-            effort = config.autotune_effort()
             # The key is a function of the map and the problem: keep it with the map, so the hot
             # path (every conv call) hashes it instead of rebuilding it.
             key = kernel_map.derived(("tune_key", namespace, problem, deterministic),

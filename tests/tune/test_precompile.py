@@ -198,7 +198,7 @@ def test_a_decided_choice_compiles_in_the_call_where_the_background_does_not_app
     if how == "switched off":
         monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
     else:  # a deterministic run's choices are its own (keys apart): tuned deterministic too
-        monkeypatch.setattr(sparseconv.config, "deterministic", lambda: True)
+        monkeypatch.setenv("SPARSECONV_DETERMINISTIC", "1")
     _decided_in_an_earlier_process(calls, x, monkeypatch)
     before = len((tmp_path / "compiled.log").read_text().split())
     with registered(_background_backend(calls)):

@@ -1,0 +1,45 @@
+"""config.product_settings: the tuner's per-call settings, parsed once per distinct environment but
+never stale (a variable set between two calls takes effect at the second)."""
+
+import pytest
+import torch
+
+import sparseconv
+from sparseconv import config
+
+
+def test_a_variable_set_between_calls_takes_effect_at_the_next(monkeypatch):
+    assert config.product_settings("AB_gather_scatter") == (None, False, "quick")
+    monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", " explicit_gemm ")
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "Full")
+    assert config.product_settings("AB_gather_scatter") == ("explicit_gemm", False, "full")
+    assert config.product_settings("AtB_gather_gather") == (None, False, "full")  # another namespace's variable
+    monkeypatch.setenv("SPARSECONV_DETERMINISTIC", "1")
+    assert config.product_settings("AB_gather_scatter")[1] is True
+    monkeypatch.setenv("SPARSECONV_DETERMINISTIC", "0")
+    previous = sparseconv.set_deterministic(True)  # the switch beats the variable
+    try:
+        assert config.product_settings("AB_gather_scatter")[1] is True
+    finally:
+        sparseconv.set_deterministic(previous)
+    assert config.product_settings("AB_gather_scatter")[1] is False
+
+
+def test_torch_deterministic_switch_is_followed_when_nothing_else_says(monkeypatch):
+    monkeypatch.delenv("SPARSECONV_DETERMINISTIC", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert config.product_settings("ABt_gather_scatter")[1] is True
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert config.product_settings("ABt_gather_scatter")[1] is before
+
+
+@pytest.mark.parametrize(("variable", "value"), [("SPARSECONV_AUTOTUNE_EFFORT", "fast"),
+                                                 ("SPARSECONV_DETERMINISTIC", "maybe")])
+def test_a_bad_value_is_an_error_naming_the_variable_every_time(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    for _ in range(2):  # not remembered as a good value after the first error
+        with pytest.raises(ValueError, match=variable):
+            config.product_settings("AB_gather_scatter")
