@@ -273,3 +273,62 @@ def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
     use(x)
     assert not sorts, "the layers took the planned orders"
     assert all(not m.__dict__.get("_offered") for m in maps.values())
+
+
+def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(monkeypatch):
+    # The map plan builds the tile plans the last batch's layers used on its maps (after their row
+    # orders) with one tile_plans launch per (tile height, width bucket); a layer then takes the
+    # plan it would have built, and builds none itself.
+    from sparseconv import SparseTensor
+    from sparseconv.coords import KernelMap
+    from sparseconv.ops.backends import triton_kernels as tk
+    from sparse_reference import random_coords
+
+    subm = KernelMapKey(0, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False)
+    down = KernelMapKey(0, (2, 2, 2), (2, 2, 2), (1, 1, 1), False, False)
+    split = [(0, 14), (14, 27)]
+    # (map, forward, groups, tile height): a dgrad of the submanifold map walks its mirrored table
+    uses = [(subm, True, split, 32), (subm, False, [(0, 27)], 32), (subm, True, [(0, 27)], 64), (down, True, [(0, 8)], 32)]
+
+    def batch():
+        coords = random_coords(700, 16, batch_size=2, low=-8)
+        return SparseTensor(coords, torch.randn(len(coords), 2))
+
+    def up_of(x):
+        coarse = x.cache.kernel_map(down)[1]
+        return KernelMapKey(coarse, (2, 2, 2), (2, 2, 2), (1, 1, 1), True, False)
+
+    def use(x):
+        for key, forward, groups, block_m in uses + [(up_of(x), True, [(0, 8)], 32)]:
+            kernel_map = x.cache.kernel_map(key)[0]
+            for group in groups:
+                mask_triton.sorted_rows(kernel_map, forward, True, group, groups)
+                mask_triton.tile_plan(kernel_map, forward, True, block_m, group)
+
+    use(batch())
+    launches = []
+    original = tk.launch
+    monkeypatch.setattr(tk, "launch", lambda kernel, *a, **k: launches.append(kernel) or original(kernel, *a, **k))
+    x = batch()
+    maps = {key: x.cache.kernel_map(key)[0] for key in (subm, down)}
+    up = up_of(x)
+    maps[up] = x.cache._planned[up][0]
+    kernels = tk.kernels()
+    assert launches.count(kernels.tile_plans) == 2, "one launch for the 32-row plans (widths 14, 13, 27, 8), one for 64"
+    assert kernels.tile_plan not in launches
+    offered = {key: {k: v for k, v in m.__dict__.get("_offered", {}).items() if k[0] == "tile_plan"}
+               for key, m in maps.items()}
+    assert sorted(k[1:] for k in offered[subm]) == [(False, True, 32, 0, 27), (True, True, 32, 0, 14),
+                                                   (True, True, 32, 14, 27), (True, True, 64, 0, 27)]
+    assert list(offered[down]) == list(offered[up]) == [("tile_plan", True, True, 32, 0, 8)]
+    for key, kernel_map in maps.items():
+        copy = KernelMap(kernel_map.neighbors, kernel_map.num_in, kernel_map.kernel_size, kernel_map.identity_offset)
+        copy.__dict__["offset_counts"] = kernel_map.offset_counts
+        for view_key, views in offered[key].items():
+            _, forward, sort, block_m, lo, hi = view_key
+            expected = mask_triton.tile_plan(copy, forward, sort, block_m, (lo, hi))
+            for got, want in zip(views, expected):
+                assert got.dtype == want.dtype and torch.equal(got, want), view_key
+    launches.clear()
+    use(x)
+    assert kernels.tile_plan not in launches, "the layers took the planned tile plans"

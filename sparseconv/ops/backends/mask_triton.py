@@ -279,13 +279,8 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
             # op costs the host ~10-20 µs on a new map; this view is rebuilt for every new point
             # cloud). Each part starts 16-byte aligned: Triton specialises pointers on it (an
             # unaligned one is another compile, and loses vector loads).
-            lists, count, slot_count = _aligned(tiles * width), _aligned(tiles), tiles * width * block_m
-            flat = torch.empty(lists + count + slot_count + _aligned(-(-tiles * width // 4)), dtype=torch.int32,
-                               device=device)
-            offsets = flat[: tiles * width].view(tiles, width)
-            counts = flat[lists: lists + tiles]
-            slots = flat[lists + count: lists + count + slot_count]
-            used = flat[lists + count + slot_count:].view(torch.bool)[: tiles * width].view(tiles, width)
+            flat = torch.empty(_plan_size(tiles, width, block_m), dtype=torch.int32, device=device)
+            used, offsets, counts, slots = _plan_views(flat, tiles, width, block_m)
             if tiles:
                 args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0),
                                              lo, width, block_m)
@@ -302,6 +297,69 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
         return used, offsets, used.sum(1, dtype=torch.int32), per_tile.reshape(-1)
 
     return kernel_map.derived(("tile_plan", forward, sort, block_m, lo, hi), build)
+
+
+def _plan_size(tiles: int, width: int, block_m: int) -> int:
+    """int32s of one tile plan's buffer: lists, counts, slots and used flags, each 16-byte aligned."""
+    return _aligned(tiles * width) + _aligned(tiles) + tiles * width * block_m + _aligned(-(-tiles * width // 4))
+
+
+def _plan_views(flat: torch.Tensor, tiles: int, width: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """(used, offsets, counts, slots) of a tile plan held in ``flat`` (at least :func:`_plan_size`
+    int32s, starting 16-byte aligned): what :func:`tile_plan` returns."""
+    lists, count, slot_count = _aligned(tiles * width), _aligned(tiles), tiles * width * block_m
+    offsets = flat[: tiles * width].view(tiles, width)
+    counts = flat[lists: lists + tiles]
+    slots = flat[lists + count: lists + count + slot_count]
+    used = flat[lists + count + slot_count: _plan_size(tiles, width, block_m)].view(torch.bool)[: tiles * width]
+    return used.view(tiles, width), offsets, counts, slots
+
+
+def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
+    """The plan's view builder for tile plans (after :func:`build_planned_orders`, whose orders they
+    read): every :func:`tile_plan` the last batches' layers used on the new maps, built by one
+    ``tile_plans`` launch per tile height into one buffer, where each layer made
+    a buffer and a launch of its own (~70 µs of host time each on an H100 host; a MinkUNet
+    training step builds ~29). Offered to the maps like the orders; equal to what tile_plan builds."""
+    parts: dict[tuple[int, int], list] = {}
+    for kernel_map, keys in wanted:
+        for key in keys:
+            if not (isinstance(key, tuple) and len(key) == 6 and key[0] == "tile_plan"):
+                continue
+            _, forward, sort, block_m, lo, hi = key
+            if not forward and kernel_map.identity_offset is None:
+                continue  # recorded on the adjoint, as its forward plan
+            table = product_table(kernel_map, forward)
+            if not (table.shape[0] and fused(table) and table.dtype == torch.int32 and table.is_contiguous()):
+                continue
+            rows = sorted_rows(kernel_map, forward, sort, (lo, hi))
+            if rows.dtype != torch.int64:
+                continue
+            parts.setdefault(block_m, []).append((kernel_map, key, table, rows))
+    for block_m, group in parts.items():
+        meta, sizes, first = [], [], 0
+        for kernel_map, key, table, rows in group:
+            lo, hi = key[4:]
+            tiles, width = -(-rows.numel() // block_m), hi - lo
+            meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), lo, width])
+            sizes.append((tiles, width))
+            first += tiles
+        bases = [0, *itertools.accumulate(_plan_size(tiles, width, block_m) for tiles, width in sizes)]
+        flat = torch.empty(bases[-1], dtype=torch.int32, device=group[0][2].device)
+        for fields, (tiles, width), base in zip(meta, sizes, bases):
+            lists, count, slot_count = _aligned(tiles * width), _aligned(tiles), tiles * width * block_m
+            fields += [base, base + lists, base + lists + count, 4 * (base + lists + count + slot_count)]
+        kernels = tk.kernels()
+        meta_tensor = torch.tensor(meta, dtype=torch.int64).to(flat.device, non_blocking=True)
+        # The kernel reads the tables and orders by address: they are the maps' own views, which
+        # the maps hold (and the allocator reuses only after this launch, in stream order).
+        widest = _width(max(hi - lo for _, (*_, lo, hi), _, _ in group))  # narrower plans mask the rest
+        tk.launch(kernels.tile_plans, (first,), meta_tensor, flat, len(group), BLOCK_M=block_m, WIDTH=widest)
+        for (kernel_map, key, _, _), (tiles, width), base in zip(group, sizes, bases):
+            kernel_map.offer(key, _plan_views(flat[base:], tiles, width, block_m))
+
+
+plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
 
 
 def _aligned(count: int) -> int:
@@ -390,6 +448,8 @@ def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map
         width = hi - lo  # the row order below: int64 sort indices
         args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, bm)
         tk.warm(kernels.tile_plan, problem.device, *args, **options)
+        # the same plans built by the map plan, with others of this tile height (the widest sets WIDTH)
+        tk.warm(kernels.tile_plans, problem.device, i64, i32, 2, BLOCK_M=bm, WIDTH=_width(width))
         args, options = _rows_launch(params, dtype, step, (dtype, dtype, i32, i64, i32, i32, dtype),
                                      num_rows, reduce_dim, out_dim, width, strides)
         tk.warm(kernels.rows_gemm, problem.device, *args, **options)

@@ -225,8 +225,49 @@ def _define() -> SimpleNamespace:
         at = tile.to(tl.int64) * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
 
+    @triton.jit(do_not_specialize=["plans"])
+    def tile_plans(meta_ptr, out_ptr, plans, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+        """tile_plan for several (table, row order) pairs of one tile height in one launch: the
+        program's tile is the plan's whose first tile (meta field 0) it is at or past. Per plan,
+        PLAN_FIELDS int64: first tile, table and order addresses, rows, row stride, lo, width, and
+        where its lists, counts and slots (int32 units) and used flags (bytes) start in out."""
+        tile = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(0) * 0
+        for q in range(1, plans):
+            p = tl.where(tl.load(meta_ptr + q * 11) <= tile, q, p)
+        meta = meta_ptr + p.to(tl.int64) * 11
+        tile = tile - tl.load(meta)
+        table_ptr = tl.load(meta + 1).to(tl.pointer_type(tl.int32))
+        order_ptr = tl.load(meta + 2).to(tl.pointer_type(tl.int64))
+        rows = tl.load(meta + 3)
+        row_stride = tl.load(meta + 4)
+        lo = tl.load(meta + 5)
+        width = tl.load(meta + 6)
+        list_ptr = out_ptr + tl.load(meta + 7)
+        count_ptr = out_ptr + tl.load(meta + 8)
+        slots_ptr = out_ptr + tl.load(meta + 9)
+        used_ptr = out_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + tl.load(meta + 10)
+        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        k = tl.arange(0, WIDTH)
+        row = tl.load(order_ptr + i, mask=i < rows, other=0)
+        ok = (i[:, None] < rows) & (k[None, :] < width)
+        source = tl.load(table_ptr + row[:, None] * row_stride + lo + k[None, :], mask=ok, other=-1)
+        used = (tl.max(source, axis=0) >= 0).to(tl.int32)
+        count = tl.sum(used, axis=0)
+        unused = tl.where(k < width, 1 - used, 0)
+        slot = tl.where(used > 0, tl.cumsum(used, axis=0) - 1, count + tl.cumsum(unused, axis=0) - 1)
+        tl.store(used_ptr + tile * width + k, used.to(tl.int8), mask=k < width)
+        tl.store(list_ptr + tile * width + slot, (lo + k).to(tl.int32), mask=k < width)
+        tl.store(count_ptr + tile, count)
+        at = tile * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
+
     return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad,
-                           row_masks=row_masks, tile_plan=tile_plan)
+                           row_masks=row_masks, tile_plan=tile_plan, tile_plans=tile_plans)
+
+
+PLAN_FIELDS = 11
+"""int64 fields per plan of ``tile_plans``' meta array (the kernel reads them at fixed places)."""
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **options):
