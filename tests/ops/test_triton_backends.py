@@ -275,7 +275,8 @@ def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
     assert all(not m.__dict__.get("_offered") for m in maps.values())
 
 
-def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(monkeypatch, device):
     # The map plan builds the tile plans the last batch's layers used on its maps (after their row
     # orders) with one tile_plans launch per (tile height, width bucket); a layer then takes the
     # plan it would have built, and builds none itself.
@@ -291,8 +292,8 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
     uses = [(subm, True, split, 32), (subm, False, [(0, 27)], 32), (subm, True, [(0, 27)], 64), (down, True, [(0, 8)], 32)]
 
     def batch():
-        coords = random_coords(700, 16, batch_size=2, low=-8)
-        return SparseTensor(coords, torch.randn(len(coords), 2))
+        coords = random_coords(700, 16, batch_size=2, low=-8).to(device)
+        return SparseTensor(coords, torch.randn(len(coords), 2, device=device))
 
     def up_of(x):
         coarse = x.cache.kernel_map(down)[1]
