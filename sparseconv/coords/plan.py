@@ -82,9 +82,19 @@ class Record:
             self.specs.append(spec)
             kernel_map.on_view = self.views.setdefault(spec, {}).setdefault
             kernel_map.plan_spec = spec
+            _replay(kernel_map)
         source = kernel_map.transpose_of
         if spec is None and source is not None and source.plan_spec in self.views:
             kernel_map.on_view = self.adjoint_views.setdefault(source.plan_spec, {}).setdefault
+            _replay(kernel_map)
+
+
+def _replay(kernel_map: KernelMap) -> None:
+    """Record the views a planned map holds before its first layer asks for it: those view builders
+    made from others (a tile plan reads a row order), which the layers then never build or take, and
+    which the next batch's builders need all the same."""
+    for key in list(kernel_map._derived):
+        kernel_map.on_view(key)
 
 
 ViewBuilder = Callable[[list[tuple[KernelMap, list[Hashable]]]], None]

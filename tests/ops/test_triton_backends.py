@@ -333,3 +333,13 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
     launches.clear()
     use(x)
     assert kernels.tile_plan not in launches, "the layers took the planned tile plans"
+    # The layers took plans and asked for no row order: the batches after plan their orders all the
+    # same (the plan remembers two batches: the third after the lazy one is the first to rely on it).
+    sorts = []
+    sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(a[0].numel()) or sort(*a, **k))
+    for _ in range(3):
+        sorts.clear()
+        launches.clear()
+        use(batch())
+        assert len(sorts) == 1 and kernels.tile_plan not in launches and launches.count(kernels.tile_plans) == 2
