@@ -319,8 +319,9 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
     assert kernels.tile_plan not in launches
     offered = {key: {k: v for k, v in m.__dict__.get("_offered", {}).items() if k[0] == "tile_plan"}
                for key, m in maps.items()}
-    assert sorted(k[1:] for k in offered[subm]) == [(False, True, 32, 0, 27), (True, True, 32, 0, 14),
-                                                   (True, True, 32, 14, 27), (True, True, 64, 0, 27)]
+    # the dgrad's plan (False, ...) is left to backward
+    assert sorted(k[1:] for k in offered[subm]) == [(True, True, 32, 0, 14), (True, True, 32, 14, 27),
+                                                   (True, True, 64, 0, 27)]
     assert list(offered[down]) == list(offered[up]) == [("tile_plan", True, True, 32, 0, 8)]
     for key, kernel_map in maps.items():
         copy = KernelMap(kernel_map.neighbors, kernel_map.num_in, kernel_map.kernel_size, kernel_map.identity_offset)
@@ -332,7 +333,7 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
                 assert got.dtype == want.dtype and torch.equal(got, want), view_key
     launches.clear()
     use(x)
-    assert kernels.tile_plan not in launches, "the layers took the planned tile plans"
+    assert launches.count(kernels.tile_plan) == 1, "the layers took the planned tile plans (the dgrad's its own)"
     # The layers took plans and asked for no row order: the batches after plan their orders all the
     # same (the plan remembers two batches: the third after the lazy one is the first to rely on it).
     sorts = []
@@ -342,4 +343,4 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
         sorts.clear()
         launches.clear()
         use(batch())
-        assert len(sorts) == 1 and kernels.tile_plan not in launches and launches.count(kernels.tile_plans) == 2
+        assert len(sorts) == 1 and launches.count(kernels.tile_plan) == 1 and launches.count(kernels.tile_plans) == 2
