@@ -201,3 +201,22 @@ def test_populate_rejects_bad_arguments():
         populate(steps=0)
     with pytest.raises(ValueError, match="device must be a torch device"):
         populate(device="gpu-please")
+
+
+def test_populate_passes_again_until_no_product_waits_for_a_background_compile(monkeypatch):
+    """On a GPU a product whose kernels compile in the background runs the reference and is timed
+    at a later call: populate waits for the compiles and passes again, until none waits (bounded)."""
+    import sparseconv.tune
+    from sparseconv.tune import populate as populate_module
+
+    waiting = [3, 1, 0]
+    events = []
+    monkeypatch.setattr(sparseconv.tune.get_tuner(), "compiling", lambda: waiting.pop(0))
+    monkeypatch.setattr(sparseconv.tune, "wait_for_compiles", lambda: events.append("wait"))
+    monkeypatch.setattr(populate_module, "_pass", lambda net, coords, dtype: events.append("pass"))
+    populate_module._settle(None, None, torch.float16, torch.device("cpu"))
+    assert events == ["wait", "pass", "wait", "pass"] and not waiting
+    waiting[:] = [5] * 10
+    events.clear()
+    populate_module._settle(None, None, torch.float16, torch.device("cpu"))
+    assert events.count("pass") == populate_module.SETTLE_PASSES
