@@ -14,7 +14,7 @@ from sparse_reference import relative_error
 
 from sparseconv.coords import KernelMapKey
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import cuda_jit, cutlass_gemm, cutlass_sm90, explicit, get, mask_triton
+from sparseconv.ops.backends import cuda_jit, cutlass_gemm, cutlass_sm90, explicit, get, mask_views
 from sparseconv.ops.problem import ConvProblem
 
 needs_toolchain = pytest.mark.skipif(cuda_jit.unavailable() is not None, reason=str(cuda_jit.unavailable()))
@@ -169,14 +169,14 @@ def test_grouped_gather_table_and_tile_offsets_match_the_neighbour_table(forward
     expected = plain[order.long()].t()
     assert torch.equal(table, torch.where(expected >= 0, expected, torch.full_like(expected, sources)))
     assert sorted(order.tolist()) == list(range(plain.shape[0]))
-    for lo, hi in mask_triton.offset_groups(kernel_map.kernel_volume, 2):  # cutlass_sm90's offset groups
+    for lo, hi in mask_views.offset_groups(kernel_map.kernel_volume, 2):  # cutlass_sm90's offset groups
         group_table, group_order, _ = cutlass_gemm.gather_table(kernel_map, forward, (lo, hi))
         expected = plain[group_order.long(), lo:hi].t()
         assert torch.equal(group_table, torch.where(expected >= 0, expected, torch.full_like(expected, sources)))
-        assert torch.equal(group_order.long(), mask_triton.sorted_rows(kernel_map, forward, True, (lo, hi)))
+        assert torch.equal(group_order.long(), mask_views.sorted_rows(kernel_map, forward, True, (lo, hi)))
     block_m = 32
-    active = mask_triton.tile_offsets(kernel_map, forward, True, block_m)
-    offsets, counts = mask_triton.active_lists(kernel_map, forward, True, block_m)
+    active = mask_views.tile_offsets(kernel_map, forward, True, block_m)
+    offsets, counts = mask_views.active_lists(kernel_map, forward, True, block_m)
     assert active.shape[0] == offsets.shape[0] == -(-plain.shape[0] // block_m)
     for tile in range(active.shape[0]):
         slots = table[:, tile * block_m:(tile + 1) * block_m]
@@ -424,7 +424,7 @@ def test_every_cutlass_sm90_tile_matches_explicit_gemm(blocks, monkeypatch):
                                   in_channels=64, out_channels=192, dtype=torch.bfloat16)
     cutlass_sm90.prefetch(torch.bfloat16)
     for tile, splits in itertools.product(cutlass_sm90.TILES, (1, 2)):
-        groups = tuple(mask_triton.offset_groups(27, splits))
+        groups = tuple(mask_views.offset_groups(27, splits))
         for forward, a, namespace in ((True, x.feats, "AB_gather_scatter"), (False, grad_out, "ABt_gather_scatter")):
             ref = explicit.run(namespace, problem, {}, a.double(), weight.double(), kernel_map)
             out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")

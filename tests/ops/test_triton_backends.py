@@ -13,7 +13,7 @@ from conv_cases import MODES, make_input
 from sparse_reference import relative_error
 
 from sparseconv.coords import KernelMapKey
-from sparseconv.ops.backends import explicit, get, implicit_triton, mask_triton
+from sparseconv.ops.backends import explicit, get, implicit_triton, mask_triton, mask_views
 from sparseconv.ops.problem import ConvProblem
 
 CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2", "transposed_k3_s2",
@@ -180,14 +180,14 @@ def test_rows_sort_by_mask_with_the_rarest_offset_most_significant():
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     frequency = torch.tensor([0.9, 0.05, 0.5, 0.3])  # offset 1 is the rarest, then 3, 2, 0
     table = torch.where(torch.rand(500, 4, generator=g) < frequency, torch.arange(500)[:, None], -1)
-    order = mask_triton.row_order(table, True).long()
+    order = mask_views.row_order(table, True).long()
     assert sorted(order.tolist()) == list(range(500))
     bits = (table[order] >= 0).long()
     key = bits[:, 1] * 8 + bits[:, 3] * 4 + bits[:, 2] * 2 + bits[:, 0]  # by count: 1, 3, 2, 0
     assert bool((key[1:] >= key[:-1]).all()), "rows are not in mask order, rarest offset first"
     ties = key[1:] == key[:-1]
     assert bool((order[1:][ties] > order[:-1][ties]).all()), "equal masks keep their row order"
-    assert mask_triton.row_order(table, False).tolist() == list(range(500))
+    assert mask_views.row_order(table, False).tolist() == list(range(500))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -210,22 +210,22 @@ def test_fused_tile_views_equal_the_torch_reference(device, mode_name, forward, 
         copies.append(copy)
     fused, plain = copies
     for block_m, splits in ((16, 1), (32, 2), (64, 3)):
-        groups = mask_triton.offset_groups(built.kernel_volume, splits)  # the fused orders: one sort for all
+        groups = mask_views.offset_groups(built.kernel_volume, splits)  # the fused orders: one sort for all
         for group in groups:
             views = []
             for kernel_map, use_triton in ((fused, True), (plain, False)):
-                monkeypatch.setattr(mask_triton, "fused", lambda table, flag=use_triton: flag)
-                views.append([mask_triton.sorted_rows(kernel_map, forward, True, group, groups),
-                              mask_triton.tile_offsets(kernel_map, forward, True, block_m, group),
-                              *mask_triton.active_lists(kernel_map, forward, True, block_m, group),
-                              *mask_triton.tile_slots(kernel_map, forward, True, block_m, group)])
+                monkeypatch.setattr(mask_views, "fused", lambda table, flag=use_triton: flag)
+                views.append([mask_views.sorted_rows(kernel_map, forward, True, group, groups),
+                              mask_views.tile_offsets(kernel_map, forward, True, block_m, group),
+                              *mask_views.active_lists(kernel_map, forward, True, block_m, group),
+                              *mask_views.tile_slots(kernel_map, forward, True, block_m, group)])
             for got, expected in zip(*views):
                 assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected.cpu())
 
 
 def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
     # The map plan builds the row orders the last batch's layers used on its maps, for all maps with
-    # one sort (mask_triton.build_planned_orders); a layer then takes the order it would have built.
+    # one sort (mask_views.build_planned_orders); a layer then takes the order it would have built.
     from sparseconv import SparseTensor
     from sparseconv.coords import KernelMap
     from sparse_reference import random_coords
@@ -247,7 +247,7 @@ def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
         for key, forward, groups in uses + [(up_of(x), True, [(0, 8)])]:
             kernel_map = x.cache.kernel_map(key)[0]
             for group in groups:
-                mask_triton.sorted_rows(kernel_map, forward, True, group, groups)
+                mask_views.sorted_rows(kernel_map, forward, True, group, groups)
 
     use(batch())  # builds the maps and their orders one by one, and makes the plan
     sorts = []
@@ -267,7 +267,7 @@ def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
         copy.__dict__["offset_counts"] = kernel_map.offset_counts  # an adjoint's are its source's
         for view_key, order in offered[key].items():
             lo, hi = view_key[2:]
-            expected = mask_triton.sorted_rows(copy, True, True, (lo, hi))  # one group, built on its own
+            expected = mask_views.sorted_rows(copy, True, True, (lo, hi))  # one group, built on its own
             assert order.dtype == expected.dtype and torch.equal(order, expected), view_key
     sorts.clear()
     use(x)
@@ -303,8 +303,8 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
         for key, forward, groups, block_m in uses + [(up_of(x), True, [(0, 8)], 32)]:
             kernel_map = x.cache.kernel_map(key)[0]
             for group in groups:
-                mask_triton.sorted_rows(kernel_map, forward, True, group, groups)
-                mask_triton.tile_plan(kernel_map, forward, True, block_m, group)
+                mask_views.sorted_rows(kernel_map, forward, True, group, groups)
+                mask_views.tile_plan(kernel_map, forward, True, block_m, group)
 
     use(batch())
     launches = []
@@ -328,7 +328,7 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
         copy.__dict__["offset_counts"] = kernel_map.offset_counts
         for view_key, views in offered[key].items():
             _, forward, sort, block_m, lo, hi = view_key
-            expected = mask_triton.tile_plan(copy, forward, sort, block_m, (lo, hi))
+            expected = mask_views.tile_plan(copy, forward, sort, block_m, (lo, hi))
             for got, want in zip(views, expected):
                 assert got.dtype == want.dtype and torch.equal(got, want), view_key
     launches.clear()

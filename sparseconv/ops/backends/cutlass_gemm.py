@@ -35,7 +35,7 @@ import torch
 from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import cuda_jit, cuda_launch
-from .mask_triton import one_pair_per_row, product_table, sorted_rows, tile_offsets
+from .mask_views import one_pair_per_row, product_table, sorted_rows, tile_offsets
 from .registry import Backend, always_deterministic, inner_autotune, register
 
 SOURCE = "sparse_gemm.cu"

@@ -2,7 +2,7 @@
 
 What ``cutlass_grouped`` does (every offset in one launch, output-stationary: each block owns a
 tile of output rows sorted by neighbour mask and writes each once, deterministic), with per-tile
-offset lists (:func:`mask_triton.active_lists`) instead of a mask, on warp-specialized wgmma: one
+offset lists (:func:`mask_views.active_lists`) instead of a mask, on warp-specialized wgmma: one
 warpgroup gathers rows with cp.async into a ring of SC_STAGES shared-memory stages (and brings
 each stage's tile of W, packed beforehand by ``PACK_KERNELS`` into shared-memory order, in one
 bulk copy), one or two warpgroups (BM = 64 or 128 rows) multiply them. Blocks are persistent,
@@ -28,7 +28,7 @@ import torch
 from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import cuda_jit, cutlass_gemm
-from .mask_triton import active_lists, offset_groups
+from .mask_views import active_lists, offset_groups
 from .registry import Backend, always_deterministic, inner_autotune, register
 
 SOURCE = "rows_sm90.cu"

@@ -17,7 +17,7 @@ import torch
 from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import triton_kernels as tk
-from . import mask_triton
+from . import mask_triton, mask_views
 from .registry import Backend, never_deterministic, register
 
 
@@ -31,7 +31,7 @@ def run_gemm(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Ten
     in_idx, out_idx, offset_ptr = kernel_map.pairs
     forward = namespace == "AB_gather_scatter"
     gather, scatter, rows = (in_idx, out_idx, kernel_map.num_out) if forward else (out_idx, in_idx, kernel_map.num_in)
-    single, covered = mask_triton.one_pair_per_row(kernel_map, forward)
+    single, covered = mask_views.one_pair_per_row(kernel_map, forward)
     out_dim = w.shape[2] if forward else w.shape[1]
     if single:  # nothing to accumulate: store in a's dtype, no fp32 buffer, atomics or cast pass
         out = mask_triton.new_output((rows, out_dim), a) if covered else a.new_zeros((rows, out_dim))
@@ -65,7 +65,7 @@ def precompile_gemm(namespace: str, problem: ConvProblem, params: Mapping, kerne
     if problem.device.type != "cuda":
         return
     forward = namespace == "AB_gather_scatter"
-    single = mask_triton.one_pair_per_row(kernel_map, forward)[0]
+    single = mask_views.one_pair_per_row(kernel_map, forward)[0]
     index = torch.int64  # KernelMap.pairs
     args, options = _gemm_launch(forward, problem.in_channels, problem.out_channels, problem.dtype, single, params,
                                  problem.dtype, problem.dtype, index, index, index,

@@ -1,0 +1,390 @@
+"""The views of a kernel map that the mask kernels read (mask_implicit_gemm, and the CUTLASS
+row kernels): each product's row order (rows sorted by neighbour bitmask over an offset group, so
+that a tile's rows share offsets) and tile plan (per tile of visited rows: the offsets it uses,
+their count, and its rows' sources per listed offset), cached on the map. Each is one Triton launch
+on a GPU (or under its interpreter), ~10 torch ops otherwise (the reference); for a planned batch,
+the map plan's view builders make every map's orders with one sort and its forward tile plans with
+one launch per tile height (:func:`build_planned_orders`, :func:`build_planned_tile_plans`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from ... import config
+from ...coords import plan
+from ...coords.kernel_map import KernelMap
+from . import triton_kernels as tk
+
+
+def product_table(kernel_map: KernelMap, forward: bool) -> torch.Tensor:
+    """The neighbour table an output-stationary product walks: the map's own for forward,
+    the transposed one for dgrad (rows are then input rows)."""
+    return kernel_map.neighbors if forward else kernel_map.transposed_neighbors
+
+
+def offset_groups(kernel_volume: int, splits: int) -> list[tuple[int, int]]:
+    """``splits`` contiguous [start, stop) ranges of offsets, as even as possible (empty ones dropped)."""
+    bounds = [round(i * kernel_volume / splits) for i in range(splits + 1)]
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[int, int] | None = None,
+                groups: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """(rows,) int64 visiting order of the product's rows, by their neighbour mask over the offsets
+    of ``group`` (default: all) if ``sort``; cached on the map. ``groups``: every group of the
+    caller's split (``group`` among them), whose orders are then built together, one sort for all."""
+    lo, hi = group or (0, kernel_map.kernel_volume)
+    if not forward:
+        # A dgrad walks the transposed table: its adjoint's forward table, whose views a transposed
+        # (or strided) conv of the network built already. A submanifold map's transposed table is
+        # its own with the offsets mirrored (k -> K-1-k): a row's mask is its forward mask with
+        # the bits permuted, so the forward order groups equal masks just as well (any order is
+        # correct; the order only makes tiles dense).
+        if kernel_map.identity_offset is not None:
+            volume = kernel_map.kernel_volume
+            mirrored = None if groups is None else [(volume - b, volume - a) for a, b in groups]
+            return sorted_rows(kernel_map, True, sort, (volume - hi, volume - lo), mirrored)
+        return sorted_rows(kernel_map.transposed(), True, sort, group, groups)
+
+    def build(m: KernelMap) -> torch.Tensor:
+        table = product_table(m, forward)
+        if not (sort and table.shape[0] and fused(table)):
+            return row_order(table[:, lo:hi], sort)
+        together = [(lo, hi)] if groups is None else sorted(groups)  # a dgrad's mirrored groups run backwards
+        if (lo, hi) not in together or not _together(together):
+            together = [(lo, hi)]
+        # Per-offset counts are the map's pair counts in either direction: no pass over the table.
+        orders = fused_row_orders(table, together, m.offset_counts)
+        for other, order in zip(together, orders):
+            if other != (lo, hi):
+                m.derived(_rows_key(sort, *other), lambda _, order=order: order)
+        return orders[together.index((lo, hi))]
+
+    return kernel_map.derived(_rows_key(sort, lo, hi), build)
+
+
+def _rows_key(sort: bool, lo: int, hi: int) -> tuple:
+    """The map's view key of :func:`sorted_rows`'s forward order (a dgrad's is its adjoint's or a
+    mirrored group's forward order)."""
+    return ("mask_rows", sort, lo, hi)
+
+
+def fused(table: torch.Tensor) -> bool:
+    """Whether the views of ``table`` are built by the Triton kernels (one launch each) rather
+    than by torch ops (~10 each, the reference): on CUDA with Triton, or under its interpreter."""
+    return table.is_cuda and _triton_available() or (table.device.type == "cpu" and config.triton_interpret())
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fused_row_orders(table: torch.Tensor, groups: Sequence[tuple[int, int]], counts: torch.Tensor
+                     ) -> list[torch.Tensor]:
+    """:func:`row_order` of ``table[:, lo:hi]`` for each (lo, hi) of ``groups`` (:func:`_together`:
+    at most three adjacent groups, in offset order) by one mask kernel and one
+    sort: group g's keys carry g above their mask bits, so the sorted keys are the groups' orders
+    one after the other (a sort call costs the host ~80 µs on an H100 whatever the length).
+    ``counts``: the table's (K,) pairs per offset, which set each group's bit order (rarest most
+    significant; the kernel ranks them itself). The whole table, not a slice: Triton specialises
+    pointers on 16-byte alignment, and a slice at an odd offset would be another compile."""
+    rows, parts = table.shape[0], len(groups)
+    # Each group's part of the keys (and so of the sorted indices) starts 16-byte aligned.
+    stride = rows if parts == 1 else -(-rows // 2) * 2
+    keys = torch.empty(parts * stride, dtype=_key_dtype(groups), device=table.device)
+    kernels = tk.kernels()
+    args, options = _masks_launch(table, counts, keys, rows, table.stride(0), stride, groups)
+    tk.launch(kernels.row_masks, (kernels.triton.cdiv(stride, MASK_ROWS), parts), *args, **options)
+    order = torch.sort(keys, stable=True).indices
+    if parts == 1:
+        return [order]
+    order = torch.remainder(order, stride)  # group g's indices start at g * stride
+    return [order[g * stride: g * stride + rows] for g in range(parts)]
+
+
+MASK_ROWS = 128
+
+
+def _together(groups: Sequence[tuple[int, int]]) -> bool:
+    """Whether :func:`fused_row_orders` orders ``groups`` in one launch and sort: up to three
+    adjacent ones (the kernel takes their four bounds) whose widest mask leaves room for the group
+    index in 63 bits."""
+    adjacent = all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    return adjacent and len(groups) <= 3 and (len(groups) == 1 or max(hi - lo for lo, hi in groups) <= 61)
+
+
+def _key_dtype(groups: Sequence[tuple[int, int]]) -> torch.dtype:
+    """The narrowest integer holding a key of :func:`fused_row_orders`: the widest group's mask bits
+    (at most 63) and the group index above them (fewer bits, fewer radix passes of the sort)."""
+    total = _bits(groups) + (len(groups) - 1).bit_length()
+    return torch.int16 if total <= 15 else torch.int32 if total <= 31 else torch.int64
+
+
+def _bits(groups: Sequence[tuple[int, int]]) -> int:
+    return min(max(hi - lo for lo, hi in groups), 63)
+
+
+def _masks_launch(table, counts, keys, rows: int, row_stride: int, stride: int,
+                  groups: Sequence[tuple[int, int]], tag: int = 0, shift: int | None = None) -> tuple[tuple, dict]:
+    """row_masks' arguments and options (one place for :func:`fused_row_orders`,
+    :func:`build_planned_orders` and :func:`precompile`): the group index sits at bit ``shift``
+    (default: just above the mask bits), ``tag`` added."""
+    bounds = [lo for lo, _ in groups] + [groups[-1][1]]
+    bounds += [bounds[-1]] * (4 - len(bounds))
+    bits = _bits(groups)
+    return ((table, counts, keys, rows, row_stride, stride, *bounds, tag),
+            dict(BLOCK=MASK_ROWS, WIDTH=_width(max(hi - lo for lo, hi in groups)), BITS=bits,
+                 SHIFT=bits if shift is None else shift))
+
+
+PLANNED_SHIFT = 40
+"""Where :func:`build_planned_orders` puts an order's index in its sort keys: above every mask it
+orders (groups at most this wide; wider ones are left to the layers)."""
+
+
+def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
+    """The plan's view builder (:func:`sparseconv.coords.plan.add_view_builder`): the forward row
+    orders (``mask_rows`` views) the last batches' layers used on each new map, built by a mask
+    launch each and ONE sort for all (int64 keys, the order's index above its mask bits), where
+    each layer would have sorted on its own (~14 launches and ~85 µs of host time a sort on an
+    H100 host). Offered to the maps (:meth:`KernelMap.offer`): a layer takes one only if its
+    tuned choice asks for it. Equal to what :func:`sorted_rows` builds."""
+    parts = []
+    for kernel_map, keys in wanted:
+        table = kernel_map.neighbors
+        if not (table.shape[0] and fused(table)):
+            continue
+        for key in keys:
+            if (isinstance(key, tuple) and len(key) == 4 and key == _rows_key(True, key[2], key[3])
+                    and 0 < key[3] - key[2] <= PLANNED_SHIFT):
+                parts.append((kernel_map, key))
+    if len(parts) < 2:
+        return  # one sort either way
+    # Each order's keys start 16-byte aligned, so each order (a slice of the sorted indices) does too.
+    sizes = [-(-m.neighbors.shape[0] // 2) * 2 for m, _ in parts]
+    bases = [0, *itertools.accumulate(sizes)]
+    device = parts[0][0].neighbors.device
+    keys = torch.empty(bases[-1], dtype=torch.int64, device=device)
+    kernels = tk.kernels()
+    for index, ((kernel_map, key), base, size) in enumerate(zip(parts, bases, sizes)):
+        table = kernel_map.neighbors
+        args, options = _masks_launch(table, kernel_map.offset_counts, keys[base: base + size], table.shape[0],
+                                      table.stride(0), size, [key[2:]], index, PLANNED_SHIFT)
+        tk.launch(kernels.row_masks, (kernels.triton.cdiv(size, MASK_ROWS), 1), *args, **options)
+    order = torch.sort(keys, stable=True).indices
+    starts = torch.tensor([bases[:-1], sizes], dtype=torch.int64).to(device, non_blocking=True)
+    order -= torch.repeat_interleave(starts[0], starts[1], output_size=bases[-1])
+    for (kernel_map, key), base in zip(parts, bases):
+        kernel_map.offer(key, order[base: base + kernel_map.neighbors.shape[0]])
+
+
+plan.add_view_builder(build_planned_orders)
+
+
+def _width(width: int) -> int:
+    """The kernels' block width for ``width`` offsets: the power of two tl.arange needs (at least 16)."""
+    return max(16, tk.kernels().triton.next_power_of_2(width))
+
+
+def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
+    """(every output row of the product has at most one pair, every row has exactly one).
+
+    True for the transposed k2 s2 conv (each fine voxel has one coarse parent) and the dgrad of
+    the strided one: nothing to accumulate, so backends may store instead of adding. Read from
+    how the map was built (no scan, no host sync); (False, False) where that does not say.
+    """
+    once = kernel_map.each_output_once if forward else kernel_map.each_input_once
+    return once, once
+
+
+def row_order(table: torch.Tensor, sort: bool) -> torch.Tensor:
+    """(N,) int64 order of rows: if ``sort``, by neighbour bitmask read with the rarest offset as
+    the most significant bit (up to 63 offsets, the rarest ones), ties in row order.
+
+    Lexicographic order keeps a tile's rows equal in the leading bits; the bits that vary inside
+    a tile are the trailing ones, and a rare offset varies little. Rarest-first against offset
+    order: 58% against 52% of a 128-row tile's multiply-adds on real rows for street4's
+    submanifold map, 45% against 42% for room2's (CPU, the benchmark scenes)."""
+    n = table.shape[0]
+    if not sort or n == 0:
+        return torch.arange(n, dtype=torch.int64, device=table.device)
+    present = table >= 0
+    return bitmask_order(present, torch.argsort(present.sum(0), stable=True)[:63])
+
+
+def bitmask_order(present: torch.Tensor, bit_order: torch.Tensor) -> torch.Tensor:
+    """(N,) int64 order of the rows of ``present`` (N, offsets) bool by their bitmask over the
+    offsets ``bit_order`` (at most 63), the first one most significant; ties in row order."""
+    weights = torch.pow(2, torch.arange(len(bit_order) - 1, -1, -1, device=present.device, dtype=torch.int64))
+    return torch.argsort((present[:, bit_order].to(torch.int64) * weights).sum(1), stable=True)
+
+
+def tile_offsets(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
+                 group: tuple[int, int] | None = None) -> torch.Tensor:
+    """(tiles, offsets of ``group``) bool: True where some row of the tile of ``block_m`` visited
+    rows has a neighbour through that offset (cached on the map per tile height and group)."""
+    return tile_plan(kernel_map, forward, sort, block_m, group)[0]
+
+
+def active_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
+                 group: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """((tiles, offsets of ``group``) int32 offsets each tile uses (used ones first, each part in
+    offset order), the first ``count`` of each row valid; (tiles,) int32 count)."""
+    return tile_plan(kernel_map, forward, sort, block_m, group)[1:3]
+
+
+def tile_slots(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
+               group: tuple[int, int] | None = None) -> torch.Tensor:
+    """The gather rows each tile reads, laid out in the order it reads them: a flat int32 array
+    holding, tile after tile and for each slot of the tile's offset list (active offsets first),
+    the ``block_m`` source rows of its visited rows (-1 = none, also past the last row). Every tile
+    keeps a slot for each offset of ``group``, so tile ``t``'s part starts at ``t * width * block_m``."""
+    return tile_plan(kernel_map, forward, sort, block_m, group)[3]
+
+
+def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, group: tuple[int, int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every tile view of one (direction, order, tile height, group), built together and cached on
+    the map: :func:`tile_offsets`, :func:`active_lists` (2), :func:`tile_slots`."""
+    lo, hi = group or (0, kernel_map.kernel_volume)
+    if not forward and kernel_map.identity_offset is None:  # the adjoint's forward plan (see sorted_rows)
+        return tile_plan(kernel_map.transposed(), True, sort, block_m, group)
+
+    def build(m: KernelMap) -> tuple[torch.Tensor, ...]:
+        rows = sorted_rows(m, forward, sort, group)
+        table = product_table(m, forward)
+        width, device = hi - lo, table.device
+        tiles = -(-rows.numel() // block_m)
+        # Every tile keeps room for all offsets of the group (its unused list slots hold -1 and
+        # are never read): compacting to the listed ones needed their total on the host, a sync.
+        if fused(table):
+            # One launch and one buffer for the lists, counts, slots and the used flags (each torch
+            # op costs the host ~10-20 µs on a new map; this view is rebuilt for every new point
+            # cloud). Each part starts 16-byte aligned: Triton specialises pointers on it (an
+            # unaligned one is another compile, and loses vector loads).
+            flat = torch.empty(_plan_size(tiles, width, block_m), dtype=torch.int32, device=device)
+            used, offsets, counts, slots = _plan_views(flat, tiles, width, block_m)
+            if tiles:
+                args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0),
+                                             lo, width, block_m)
+                tk.launch(tk.kernels().tile_plan, (tiles,), *args, **options)
+            return used, offsets, counts, slots
+        # The visited rows' sources, padded with "none" to whole tiles: the lists and the slots both read it.
+        padded = torch.full((tiles * block_m, width), -1, dtype=torch.int32, device=device)
+        padded[: rows.numel()] = table[rows, lo:hi]
+        used = (padded >= 0).view(tiles, block_m, width).any(1)
+        offsets = (torch.argsort((~used).to(torch.int8), dim=1, stable=True) + lo).to(torch.int32).contiguous()
+        # (tiles, list slot, row in tile): the source row of each visited row through the listed offset
+        per_tile = padded.view(tiles, block_m, width).gather(
+            2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
+        return used, offsets, used.sum(1, dtype=torch.int32), per_tile.reshape(-1)
+
+    return kernel_map.derived(("tile_plan", forward, sort, block_m, lo, hi), build)
+
+
+def _plan_size(tiles: int, width: int, block_m: int) -> int:
+    """int32s of one tile plan's buffer: lists, counts, slots and used flags, each 16-byte aligned."""
+    return _aligned(tiles * width) + _aligned(tiles) + tiles * width * block_m + _aligned(-(-tiles * width // 4))
+
+
+def _plan_views(flat: torch.Tensor, tiles: int, width: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """(used, offsets, counts, slots) of a tile plan held in ``flat`` (at least :func:`_plan_size`
+    int32s, starting 16-byte aligned): what :func:`tile_plan` returns."""
+    lists, count, slot_count = _aligned(tiles * width), _aligned(tiles), tiles * width * block_m
+    offsets = flat[: tiles * width].view(tiles, width)
+    counts = flat[lists: lists + tiles]
+    slots = flat[lists + count: lists + count + slot_count]
+    used = flat[lists + count + slot_count: _plan_size(tiles, width, block_m)].view(torch.bool)[: tiles * width]
+    return used.view(tiles, width), offsets, counts, slots
+
+
+def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
+    """The plan's view builder for tile plans (after :func:`build_planned_orders`, whose orders they
+    read): every :func:`tile_plan` the last batches' layers used on the new maps, built by one
+    ``tile_plans`` launch per tile height into one buffer, where each layer made
+    a buffer and a launch of its own (~70 µs of host time each on an H100 host; a MinkUNet
+    training step builds ~29). Offered to the maps like the orders; equal to what tile_plan builds."""
+    parts: dict[tuple[int, int], list] = {}
+    for kernel_map, keys in wanted:
+        for key in keys:
+            if not (isinstance(key, tuple) and len(key) == 6 and key[0] == "tile_plan"):
+                continue
+            _, forward, sort, block_m, lo, hi = key
+            if not forward:
+                # A dgrad's plan (a strided map's is its adjoint's forward plan, which a transposed
+                # conv needs in the forward pass anyway) is left to backward: made here, it would add
+                # to the forward pass's memory peak (+0.46 GB of 3.6 on street4, H100), and an
+                # inference pass between training steps would make it for nothing.
+                continue
+            table = product_table(kernel_map, forward)
+            if not (table.shape[0] and fused(table) and table.dtype == torch.int32 and table.is_contiguous()):
+                continue
+            rows = sorted_rows(kernel_map, forward, sort, (lo, hi))
+            if rows.dtype != torch.int64:
+                continue
+            parts.setdefault(block_m, []).append((kernel_map, key, table, rows))
+    for block_m, group in parts.items():
+        meta, sizes, first = [], [], 0
+        for kernel_map, key, table, rows in group:
+            lo, hi = key[4:]
+            tiles, width = -(-rows.numel() // block_m), hi - lo
+            meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), lo, width])
+            sizes.append((tiles, width))
+            first += tiles
+        bases = [0, *itertools.accumulate(_plan_size(tiles, width, block_m) for tiles, width in sizes)]
+        flat = torch.empty(bases[-1], dtype=torch.int32, device=group[0][2].device)
+        for fields, (tiles, width), base in zip(meta, sizes, bases):
+            lists, count, slot_count = _aligned(tiles * width), _aligned(tiles), tiles * width * block_m
+            fields += [base, base + lists, base + lists + count, 4 * (base + lists + count + slot_count)]
+        kernels = tk.kernels()
+        meta_tensor = torch.tensor(meta, dtype=torch.int64).to(flat.device, non_blocking=True)
+        # The kernel reads the tables and orders by address: they are the maps' own views, which
+        # the maps hold (and the allocator reuses only after this launch, in stream order).
+        widest = _width(max(hi - lo for _, (*_, lo, hi), _, _ in group))  # narrower plans mask the rest
+        tk.launch(kernels.tile_plans, (first,), meta_tensor, flat, len(group), BLOCK_M=block_m, WIDTH=widest)
+        for (kernel_map, key, _, _), (tiles, width), base in zip(group, sizes, bases):
+            kernel_map.offer(key, _plan_views(flat[base:], tiles, width, block_m))
+
+
+plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
+
+
+def _aligned(count: int) -> int:
+    """``count`` int32s rounded up to whole 16-byte units."""
+    return -(-count // 4) * 4
+
+
+def _plan_launch(table, rows, used, offsets, counts, slots, num_rows: int, row_stride: int, lo: int, width: int,
+                 block_m: int) -> tuple[tuple, dict]:
+    """tile_plan's arguments and options (one place for :func:`tile_plan` and :func:`precompile`)."""
+    return ((table, rows, used, offsets, counts, slots, num_rows, row_stride, lo, width),
+            dict(BLOCK_M=block_m, WIDTH=_width(width)))
+
+
+def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequence[tuple[int, int]], sort: bool,
+               block_m: int) -> None:
+    """Compile the kernels that build a product's views (row orders, tile plans, and the same built
+    by the map plan for all maps at once) for a (rows, K) table without running them."""
+    kernels, i32, i64 = tk.kernels(), torch.int32, torch.int64
+    if sort:
+        for together in [groups] if _together(groups) else [[group] for group in groups]:
+            # the table, the per-offset pair counts, the keys
+            args, options = _masks_launch(i32, i64, _key_dtype(together), num_rows, volume, num_rows, together)
+            tk.warm(kernels.row_masks, device, *args, **options)
+        for group in groups:  # the same orders built by the map plan, for all maps at once
+            if group[1] - group[0] <= PLANNED_SHIFT:
+                args, options = _masks_launch(i32, i64, i64, num_rows, volume, num_rows, [group], 0, PLANNED_SHIFT)
+                tk.warm(kernels.row_masks, device, *args, **options)
+    for lo, hi in groups:
+        width = hi - lo  # the row order below: int64 sort indices
+        args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, block_m)
+        tk.warm(kernels.tile_plan, device, *args, **options)
+        # the same plans built by the map plan, with others of this tile height (the widest sets WIDTH)
+        tk.warm(kernels.tile_plans, device, i64, i32, 2, BLOCK_M=block_m, WIDTH=_width(width))
