@@ -269,7 +269,7 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
             # op costs the host ~10-20 µs on a new map; this view is rebuilt for every new point
             # cloud). Each part starts 16-byte aligned: Triton specialises pointers on it (an
             # unaligned one is another compile, and loses vector loads).
-            flat = torch.empty(_plan_size(tiles, width, block_m), dtype=torch.int32, device=device)
+            flat = torch.empty(_plan_layout(tiles, width, block_m)[3], dtype=torch.int32, device=device)
             used, offsets, counts, slots = _plan_views(flat, tiles, width, block_m)
             if tiles:
                 args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0),
@@ -289,29 +289,31 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
     return kernel_map.derived(("tile_plan", forward, sort, block_m, lo, hi), build)
 
 
-def _plan_size(tiles: int, width: int, block_m: int) -> int:
-    """int32s of one tile plan's buffer: lists, counts, slots and used flags, each 16-byte aligned."""
-    return _aligned(tiles * width) + _aligned(tiles) + tiles * width * block_m + _aligned(-(-tiles * width // 4))
+def _plan_layout(tiles: int, width: int, block_m: int) -> tuple[int, int, int, int]:
+    """Where the counts, slots and used flags of one tile plan's buffer start, and its size, in
+    int32s (the lists start it): each part 16-byte aligned, as Triton specialises pointers on it."""
+    counts = _aligned(tiles * width)
+    slots = counts + _aligned(tiles)
+    used = slots + tiles * width * block_m
+    return counts, slots, used, used + _aligned(-(-tiles * width // 4))
 
 
 def _plan_views(flat: torch.Tensor, tiles: int, width: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """(used, offsets, counts, slots) of a tile plan held in ``flat`` (at least :func:`_plan_size`
-    int32s, starting 16-byte aligned): what :func:`tile_plan` returns."""
-    lists, count, slot_count = _aligned(tiles * width), _aligned(tiles), tiles * width * block_m
+    """(used, offsets, counts, slots) of a tile plan held in ``flat`` (laid out by
+    :func:`_plan_layout`, starting 16-byte aligned): what :func:`tile_plan` returns."""
+    counts, slots, used, size = _plan_layout(tiles, width, block_m)
     offsets = flat[: tiles * width].view(tiles, width)
-    counts = flat[lists: lists + tiles]
-    slots = flat[lists + count: lists + count + slot_count]
-    used = flat[lists + count + slot_count: _plan_size(tiles, width, block_m)].view(torch.bool)[: tiles * width]
-    return used.view(tiles, width), offsets, counts, slots
+    flags = flat[used: size].view(torch.bool)[: tiles * width]
+    return flags.view(tiles, width), offsets, flat[counts: counts + tiles], flat[slots: used]
 
 
 def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
     """The plan's view builder for tile plans (after :func:`build_planned_orders`, whose orders they
-    read): every :func:`tile_plan` the last batches' layers used on the new maps, built by one
+    read): every forward :func:`tile_plan` the last batches' layers used on the new maps, built by one
     ``tile_plans`` launch per tile height into one buffer, where each layer made
     a buffer and a launch of its own (~70 µs of host time each on an H100 host; a MinkUNet
     training step builds ~29). Offered to the maps like the orders; equal to what tile_plan builds."""
-    parts: dict[tuple[int, int], list] = {}
+    parts: dict[int, list] = {}  # by tile height
     for kernel_map, keys in wanted:
         for key in keys:
             if not (isinstance(key, tuple) and len(key) == 6 and key[0] == "tile_plan"):
@@ -338,11 +340,11 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
             meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), lo, width])
             sizes.append((tiles, width))
             first += tiles
-        bases = [0, *itertools.accumulate(_plan_size(tiles, width, block_m) for tiles, width in sizes)]
+        bases = [0, *itertools.accumulate(_plan_layout(tiles, width, block_m)[3] for tiles, width in sizes)]
         flat = torch.empty(bases[-1], dtype=torch.int32, device=group[0][2].device)
         for fields, (tiles, width), base in zip(meta, sizes, bases):
-            lists, count, slot_count = _aligned(tiles * width), _aligned(tiles), tiles * width * block_m
-            fields += [base, base + lists, base + lists + count, 4 * (base + lists + count + slot_count)]
+            counts, slots, used, _ = _plan_layout(tiles, width, block_m)
+            fields += [base, base + counts, base + slots, 4 * (base + used)]  # the flags' start in bytes
         kernels = tk.kernels()
         meta_tensor = torch.tensor(meta, dtype=torch.int64).to(flat.device, non_blocking=True)
         # The kernel reads the tables and orders by address: they are the maps' own views, which

@@ -229,7 +229,7 @@ def _define() -> SimpleNamespace:
     def tile_plans(meta_ptr, out_ptr, plans, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
         """tile_plan for several (table, row order) pairs of one tile height in one launch: the
         program's tile is the plan's whose first tile (meta field 0) it is at or past. Per plan,
-        PLAN_FIELDS int64: first tile, table and order addresses, rows, row stride, lo, width, and
+        11 int64 (mask_views.build_planned_tile_plans writes them): first tile, table and order addresses, rows, row stride, lo, width, and
         where its lists, counts and slots (int32 units) and used flags (bytes) start in out."""
         tile = tl.program_id(0).to(tl.int64)
         p = tl.program_id(0) * 0
@@ -265,9 +265,6 @@ def _define() -> SimpleNamespace:
     return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad,
                            row_masks=row_masks, tile_plan=tile_plan, tile_plans=tile_plans)
 
-
-PLAN_FIELDS = 11
-"""int64 fields per plan of ``tile_plans``' meta array (the kernel reads them at fixed places)."""
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **options):
