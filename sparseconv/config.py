@@ -44,8 +44,11 @@ VARIABLES = {
 def algo_mode(namespace: str) -> tuple[str, str | None]:
     """(variable name, raw value or None) of the algorithm mode for ``namespace``."""
     name = ALGO_MODE_VARIABLES[namespace]
-    value = os.environ.get(name, "").strip()
-    return name, value or None
+    return name, _parsed_mode(os.environ.get(name, ""))
+
+
+def _parsed_mode(raw: str) -> str | None:
+    return raw.strip() or None
 
 
 def autotune_effort() -> str:
@@ -154,7 +157,7 @@ def product_settings(namespace: str) -> tuple[str | None, bool, str]:
 @functools.lru_cache(maxsize=64)
 def _product_settings(mode: str, deterministic_raw: str, effort: str, deterministic_set: bool | None,
                       torch_deterministic: bool) -> tuple[str | None, bool, str]:
-    return (mode.strip() or None,
+    return (_parsed_mode(mode),
             deterministic_set if deterministic_set is not None else _parsed_deterministic(deterministic_raw,
                                                                                         torch_deterministic),
             _parsed_effort(effort))
