@@ -312,7 +312,9 @@ class Bound:
     the kernels compiled for the last map's without Triton's launch."""
 
     def __init__(self, kernel, grid: tuple[int, ...], args: Sequence, options: Mapping, varying: Sequence[int]):
-        self.kernel, self.grid, self.args, self.options = kernel, tuple(grid), list(args), dict(options)
+        # three dimensions, as a compiled kernel's launcher takes them (Triton's launch too)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.kernel, self.args, self.options = kernel, list(args), dict(options)
         self.varying = tuple(varying)
         self._specs = [None if at in self.varying else _specialisation(arg) for at, arg in enumerate(self.args)]
         self._runners: dict[tuple, Callable] = {}
@@ -332,7 +334,7 @@ class Bound:
         held = _launch(self.kernel, self.grid, args, self.options, tuple(specs))
         if held is not None:
             compiled, trailing = held
-            run = compiled[self.grid + (1,) * (3 - len(self.grid))]
+            run = compiled[self.grid]
             tail = [self.options[name] for name in trailing]
             self._runners[form] = lambda *given: run(*given, *tail)
 
