@@ -84,6 +84,9 @@ class KernelMap:
         self.kernel_volume = math.prod(kernel_size)
         self.identity_offset = identity_offset
         self._derived: dict[Hashable, object] = {}
+        self.calls: dict[Hashable, object] = {}
+        """The runner's memo of this map's products (the tuner keeps each one's settled choice and
+        prepared call here: a layer's later calls on the map go straight to its kernels)."""
         self.transpose_of: KernelMap | None = None
         """The map this one is the adjoint of (see :meth:`transposed`), or None if it was queried."""
         self.each_input_once = False
@@ -150,6 +153,9 @@ class KernelMap:
         if self.transpose_of is not None:
             in_idx, out_idx, offset_ptr = self.transpose_of.pairs
             return out_idx, in_idx, offset_ptr
+        built = None if _pair_builder is None else _pair_builder(self)
+        if built is not None:
+            return built
         present = self.neighbors.t() >= 0
         # The host already knows the pair count (pair_counts), so the compaction needs no sync.
         found = _nonzero(present, self.num_pairs)
@@ -259,6 +265,18 @@ class _AdjointMap(KernelMap):
         table = self.__dict__["neighbors"] = self.transpose_of.transposed_neighbors  # _own_table reads it
         _own_table(self)  # found by its table from now on (torch.compile's ops), as a queried map is
         return table
+
+
+_pair_builder: Callable[[KernelMap], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None = None
+
+
+def set_pair_builder(builder: Callable[[KernelMap], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None
+                     ) -> None:
+    """Have ``builder(map)`` build :attr:`KernelMap.pairs` (the same lists, in the same order) where
+    it can, returning None where it cannot (the torch ops then do). The backends register their
+    kernels' builder here (coords imports no backend)."""
+    global _pair_builder
+    _pair_builder = builder
 
 
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -30,6 +30,24 @@ class ConvProblem:
     generative: bool
     dtype: torch.dtype
     device: torch.device
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.num_in, self.num_out, self.in_channels, self.out_channels,
+                                                self.kernel_size, self.stride, self.dilation, self.transposed,
+                                                self.generative, self.dtype, self.device)))
+
+    def __hash__(self) -> int:
+        # Hashed once: the tuner's lookups of every conv call key on the problem (~2 µs a hash of the fields).
+        return self._hash
+
+    def __getstate__(self) -> dict:
+        # Not the hash: another process (a compile worker) hashes dtypes and devices differently.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     @property
     def kernel_volume(self) -> int:

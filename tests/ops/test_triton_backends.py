@@ -13,6 +13,7 @@ from conv_cases import MODES, make_input
 from sparse_reference import relative_error
 
 from sparseconv.coords import KernelMapKey
+from sparseconv.coords import kernel_map as kernel_map_module
 from sparseconv.ops.backends import explicit, get, implicit_triton, mask_triton, mask_views
 from sparseconv.ops.problem import ConvProblem
 
@@ -143,6 +144,47 @@ def test_every_wgrad_tile_matches_explicit_gemm(params, device, poisoned_outputs
         ref = explicit.run("AtB_gather_gather", problem, {}, x.feats.double(), grad_out.double(), kernel_map)
         assert out.shape == ref.shape and out.dtype == torch.float16
         assert relative_error(out, ref) < TOLERANCE[torch.float16], f"{mode}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", [m for m in MODES if m.name in ("submanifold_k3", "submanifold_k5", "strided_k2_s2",
+                                                                 "strided_k3_s2", "generative_k3_s1")], ids=str)
+def test_pair_lists_of_the_kernels_are_the_maps_own(mode, device, monkeypatch):
+    """The two-launch pair lists every backend reads on a GPU: the same pairs in the same order (by
+    offset, then by output row) and the same offset pointers as the torch ops' (the reference),
+    every entry of the uninitialised lists written; rows not a multiple of a block, 27 and 125 offsets."""
+    monkeypatch.setattr(kernel_map_module, "_pair_builder", None)  # the torch ops build the reference
+    x, kernel_map = _input_and_map(mode, 4, device, torch.float32, n=300 if device == "cpu" else 7000,
+                                   extent=9 if device == "cpu" else 40)
+    expected = kernel_map.pairs
+    full = torch.full
+    monkeypatch.setattr(torch, "empty", lambda size, **kw: full(tuple(size) if isinstance(size, tuple) else (size,),
+                                                                 -7, **kw))  # poisoned
+    built = mask_views.pair_lists(kernel_map)
+    monkeypatch.undo()
+    assert built is not None and kernel_map.num_pairs > 0
+    for name, got, want in zip(("in_idx", "out_idx", "offset_ptr"), built, expected):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_wgrad_leaves_its_sums_zeroed_for_the_next_launch(device, poisoned_outputs):
+    """Split launches add into the stream's fp32 sums, and the last split of each tile stores dW and
+    zeroes its part: launches of other shapes and maps after each other (each writing a poisoned
+    dW) stay right only if every launch leaves the sums and tickets as it found them."""
+    backend = get("splitk_wgrad")
+    params = next(p for p in implicit_triton.WGRAD_SPACE if p["split"] == 4 and (device != "cpu" or p["block_n"] == 256))
+    for mode, c_in, c_out in [(CASES[0], 24, 40), (CASES[1], 72, 264), (CASES[0], 24, 40)]:
+        x, kernel_map = _input_and_map(mode, c_in, device, torch.float16, n=60 if device == "cpu" else 6000,
+                                       extent=7 if device == "cpu" else 40)
+        grad_out = torch.randn(kernel_map.num_out, c_out, device=device, dtype=torch.float16)
+        problem = _problem(x, kernel_map, c_in, c_out, torch.float16, mode)
+        out = backend.run("AtB_gather_gather", problem, params, x.feats, grad_out, kernel_map)
+        ref = explicit.run("AtB_gather_gather", problem, {}, x.feats.double(), grad_out.double(), kernel_map)
+        assert relative_error(out, ref) < TOLERANCE[torch.float16], f"{mode} {c_in}x{c_out}"
+        sums, tickets = implicit_triton.split_sums(x.feats.device, 1, 1)  # the launch's: cuda:0, not cuda
+        assert sums.numel() >= kernel_map.kernel_volume * c_in * c_out
+        assert not sums.any() and not tickets.any(), "a launch left its sums or tickets set"
 
 
 @pytest.mark.gpu

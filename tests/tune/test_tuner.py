@@ -265,3 +265,59 @@ def test_the_guard_accepts_correct_half_results_of_subnormal_size_and_rejects_wr
     normal = torch.randn(4096, 64)
     assert check_output(normal.to(torch.float16), normal, torch.float16) is None
     assert check_output((normal * 1.01).to(torch.float16), normal, torch.float16) is not None
+
+
+def _prepared(calls: Calls, fail: list) -> Backend:
+    """explicit_gemm, counting its runs, preparations and prepared calls; a prepared call raises while
+    ``fail`` is non-empty."""
+    def run(namespace, problem, params, a, b, kernel_map):
+        calls.add("run", namespace)
+        return explicit.run(namespace, problem, params, a, b, kernel_map)
+
+    def prepare(namespace, problem, params, kernel_map):
+        calls.add("prepare", namespace)
+
+        def product(a, b):
+            calls.add("prepared", namespace)
+            if fail:
+                raise RuntimeError("fake launch failure")
+            return explicit.run(namespace, problem, params, a, b, kernel_map)
+        return product
+
+    return Backend("fake_prepared", frozenset({"AB_gather_scatter"}), run, prepare=prepare)
+
+
+def test_a_settled_choice_runs_its_prepared_call_until_the_settings_or_backend_change(monkeypatch):
+    """A layer's second call on a map goes to the prepared call kept with the map (no run); another
+    setting picks again (and the kept entry serves once it is back); a re-registered backend, or a
+    prepared call that raises, goes through run again, with the right result each time."""
+    calls, fail = Calls(), []
+    x = make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float64, n=200)
+    weight = torch.randn(27, 4, 5, dtype=torch.float64)
+
+    def forward(expected_algo, **pins):
+        record = {}
+        with torch.no_grad():
+            out = sparse_conv3d(x, weight, record=record, **pins).feats
+            ref = sparse_conv3d(x, weight, fwd_algo="explicit_gemm").feats
+        assert record["AB_gather_scatter"] == expected_algo and torch.allclose(out, ref)
+
+    monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "fake_prepared")
+    with registered(_prepared(calls, fail)):
+        forward("fake_prepared")
+        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (1, 1, 0)
+        forward("fake_prepared")
+        forward("fake_prepared")
+        assert (calls.of("run"), calls.of("prepared")) == (1, 2)
+        monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "explicit_gemm")
+        forward("explicit_gemm")
+        monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "fake_prepared")
+        forward("fake_prepared")
+        assert (calls.of("run"), calls.of("prepared")) == (1, 3)
+        fail.append(True)
+        forward("fake_prepared")  # the prepared call raises: run instead, and a new preparation
+        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (2, 2, 4)
+        fail.clear()
+    with registered(_prepared(calls, fail)):  # another backend object under the name
+        forward("fake_prepared")
+        assert (calls.of("run"), calls.of("prepare")) == (3, 3)

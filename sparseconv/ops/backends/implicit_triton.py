@@ -4,7 +4,8 @@ implicit_gemm: one launch over (offset, block of pairs, column block); each prog
 its pairs' rows, multiplies by W_k (W_kᵀ for dgrad, read through strides) and atomically adds
 into an fp32 output, so the gather and the scatter never touch memory as separate passes.
 splitk_wgrad: dW_k = A[in_k]ᵀ · B[out_k], the pairs of each offset split ``split`` ways so
-that the long reductions of large scenes fill the GPU; the splits meet through fp32 atomics.
+that the long reductions of large scenes fill the GPU; the splits meet through fp32 atomics in a
+workspace that the last split of each tile stores from and leaves zeroed (:func:`split_sums`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def precompile_gemm(namespace: str, problem: ConvProblem, params: Mapping, kerne
     forward = namespace == "AB_gather_scatter"
     single = mask_views.one_pair_per_row(kernel_map, forward)[0]
     index = torch.int64  # KernelMap.pairs
+    mask_views.precompile_pairs(problem.device, kernel_map.kernel_volume)
     args, options = _gemm_launch(forward, problem.in_channels, problem.out_channels, problem.dtype, single, params,
                                  problem.dtype, problem.dtype, index, index, index,
                                  problem.dtype if single else torch.float32)
@@ -75,37 +77,64 @@ def precompile_gemm(namespace: str, problem: ConvProblem, params: Mapping, kerne
 
 def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
     a, b = a.contiguous(), b.contiguous()
-    key = ("wgrad_product", a.shape[1], b.shape[1], a.dtype, tuple(params.items()))
-    return kernel_map.derived(key, lambda m: _wgrad_product(m, params, a.shape[1], b.shape[1], a.dtype))(a, b)
+    return _prepared_wgrad(kernel_map, params, a.shape[1], b.shape[1], a.dtype)(a, b)
+
+
+def prepare_wgrad(namespace: str, problem: ConvProblem, params: Mapping, kernel_map: KernelMap):
+    """:func:`run_wgrad` as a function of contiguous (a, b) (Backend.prepare)."""
+    return _prepared_wgrad(kernel_map, params, problem.in_channels, problem.out_channels, problem.dtype)
+
+
+def _prepared_wgrad(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
+    key = ("wgrad_product", c_in, c_out, dtype, tuple(params.items()))
+    return kernel_map.derived(key, lambda m: _wgrad_product(m, params, c_in, c_out, dtype))
 
 
 def _wgrad_product(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
     """dW (K, C_in, C_out) as a function of (a, b), everything else fixed once per (map, parameters).
-    Split K ways, the splits add into an fp32 buffer, cast after; unsplit, the kernel stores every
-    element in a's dtype (no zero fill, no cast pass: two launches fewer)."""
-    volume, launch, split = kernel_map.kernel_volume, None, int(params["split"])
+    Split, the splits add into the stream's zeroed fp32 sums and the last split of each tile stores
+    its sum in a's dtype (:func:`split_sums`); unsplit, each program stores its own. One launch
+    either way: no zero fill, no cast pass."""
+    volume, launch, split, tiles = kernel_map.kernel_volume, None, int(params["split"]), 0
     if kernel_map.num_pairs and c_in and c_out:
         kernels = tk.kernels()
         in_idx, out_idx, offset_ptr = kernel_map.pairs
-        args, options = _wgrad_launch(c_in, c_out, dtype, params, None, None, in_idx, out_idx, offset_ptr, None)
+        args, options = _wgrad_launch(c_in, c_out, dtype, params, None, None, in_idx, out_idx, offset_ptr, None,
+                                      None, None)
         tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
-        launch = tk.Bound(kernels.pairs_wgrad, (volume, tiles, split), args, options, varying=(0, 1, 5))
+        launch = tk.Bound(kernels.pairs_wgrad, (volume, tiles, split), args, options, varying=(0, 1, 5, 6, 7))
 
     def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if launch is not None and split == 1:
-            dw = mask_triton.new_output((volume, c_in, c_out), a)
-            launch(a, b, dw)
-            return dw
-        dw = torch.zeros((volume, c_in, c_out), dtype=torch.float32, device=a.device)
-        if launch is not None:
-            launch(a, b, dw)
-        return dw.to(a.dtype)
+        if launch is None:
+            return a.new_zeros((volume, c_in, c_out))
+        dw = mask_triton.new_output((volume, c_in, c_out), a)
+        sums, tickets = split_sums(a.device, volume * c_in * c_out, volume * tiles) if split > 1 else (dw, dw)
+        launch(a, b, dw, sums, tickets)
+        return dw
 
     return product
 
 
+_SPLIT_SUMS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_sums(device: torch.device, entries: int, tickets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 sums, int32 tickets), zeroed, of at least these sizes, for the current stream of
+    ``device``: split launches add into the sums, and the last split of each tile takes its sum out
+    and resets its ticket, leaving both zeroed for the next launch on the stream (launches on one
+    stream run one after the other; each stream has its own pair)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    held = _SPLIT_SUMS.get((device, stream))
+    if held is None or held[0].numel() < entries or held[1].numel() < tickets:
+        entries, tickets = max(entries, held[0].numel() if held else 0), max(tickets, held[1].numel() if held else 0)
+        held = _SPLIT_SUMS[device, stream] = (torch.zeros(entries, dtype=torch.float32, device=device),
+                                              torch.zeros(tickets, dtype=torch.int32, device=device))
+    return held
+
+
 def _wgrad_launch(c_in: int, c_out: int, dtype: torch.dtype, params: Mapping, *tensors) -> tuple[tuple, dict]:
-    """pairs_wgrad's arguments after ``tensors`` (a, b, in_idx, out_idx, offset_ptr, dw) and its options."""
+    """pairs_wgrad's arguments after ``tensors`` (a, b, in_idx, out_idx, offset_ptr, dw, sums, tickets)
+    and its options."""
     split = int(params["split"])
     options = dict(BLOCK_P=int(params["block_p"]), BLOCK_M=int(params["block_m"]), BLOCK_N=int(params["block_n"]),
                    PRECISION=tk.precision(dtype), ATOMIC=split > 1, **tk.launch_options(params))
@@ -116,10 +145,11 @@ def precompile_wgrad(namespace: str, problem: ConvProblem, params: Mapping, kern
     """Compile :func:`run_wgrad`'s kernel for this call without running it (Backend.precompile)."""
     if problem.device.type != "cuda":
         return
-    index = torch.int64  # KernelMap.pairs
-    dw = problem.dtype if int(params["split"]) == 1 else torch.float32  # see _wgrad_product
+    index, split = torch.int64, int(params["split"]) > 1  # KernelMap.pairs; see _wgrad_product
+    mask_views.precompile_pairs(problem.device, kernel_map.kernel_volume)
     args, options = _wgrad_launch(problem.in_channels, problem.out_channels, problem.dtype, params,
-                                  problem.dtype, problem.dtype, index, index, index, dw)
+                                  problem.dtype, problem.dtype, index, index, index, problem.dtype,
+                                  torch.float32 if split else problem.dtype, torch.int32 if split else problem.dtype)
     tk.warm(tk.kernels().pairs_wgrad, problem.device, *args, **options)
 
 
@@ -190,6 +220,7 @@ SPLITK_WGRAD = register(
         name="splitk_wgrad",
         ops=frozenset({"AtB_gather_gather"}),
         run=run_wgrad,
+        prepare=prepare_wgrad,
         params_space=WGRAD_SPACE,
         supports=tk.unsupported,
         pool=wgrad_pool,

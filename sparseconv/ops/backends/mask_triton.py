@@ -99,8 +99,17 @@ def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map
 
 def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
     a, w = a.contiguous(), b.contiguous()
-    key = ("rows_product", namespace, w.shape[1], w.shape[2], a.dtype, tuple(params.items()))
-    return kernel_map.derived(key, lambda m: _product_of(m, namespace, params, w.shape[1], w.shape[2], a.dtype))(a, w)
+    return _prepared(kernel_map, namespace, params, w.shape[1], w.shape[2], a.dtype)(a, w)
+
+
+def prepare(namespace: str, problem: ConvProblem, params: Mapping, kernel_map: KernelMap):
+    """:func:`run` as a function of contiguous (a, w) (Backend.prepare)."""
+    return _prepared(kernel_map, namespace, params, problem.in_channels, problem.out_channels, problem.dtype)
+
+
+def _prepared(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
+    key = ("rows_product", namespace, c_in, c_out, dtype, tuple(params.items()))
+    return kernel_map.derived(key, lambda m: _product_of(m, namespace, params, c_in, c_out, dtype))
 
 
 def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
@@ -162,6 +171,7 @@ MASK_IMPLICIT_GEMM = register(
         name="mask_implicit_gemm",
         ops=frozenset({"AB_gather_scatter", "ABt_gather_scatter"}),
         run=run,
+        prepare=prepare,
         params_space=SPACE,
         supports=tk.unsupported,
         pool=pool,

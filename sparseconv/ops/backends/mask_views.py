@@ -18,7 +18,7 @@ import torch
 
 from ... import config
 from ...coords import plan
-from ...coords.kernel_map import KernelMap
+from ...coords.kernel_map import KernelMap, set_pair_builder
 from . import triton_kernels as tk
 
 
@@ -191,6 +191,44 @@ plan.add_view_builder(build_planned_orders)
 def _width(width: int) -> int:
     """The kernels' block width for ``width`` offsets: the power of two tl.arange needs (at least 16)."""
     return max(16, tk.kernels().triton.next_power_of_2(width))
+
+
+def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:attr:`KernelMap.pairs` of a map with its own (contiguous) table, by two Triton launches and
+    a cumsum (torch's: a compaction and ~8 ops); None where the torch ops build them (no Triton, an
+    adjoint: its source's lists swapped). Registered with the maps on a GPU: every backend reading
+    a map's pairs gets these there."""
+    table = kernel_map.neighbors
+    if not (fused(table) and table.is_contiguous()):
+        return None
+    rows, volume = table.shape
+    kernels, device = tk.kernels(), table.device
+    width, block = _width(volume), _pair_block(volume)
+    blocks = max(1, kernels.triton.cdiv(rows, block))
+    counts = torch.empty((blocks, width), dtype=torch.int32, device=device)
+    total = kernel_map.num_pairs
+    in_idx = torch.empty(total, dtype=torch.int64, device=device)
+    out_idx = torch.empty(total, dtype=torch.int64, device=device)
+    offset_ptr = torch.empty(volume + 1, dtype=torch.int64, device=device)
+    tk.launch(kernels.pair_blocks, (blocks,), table, counts, rows, volume, BLOCK=block, WIDTH=width)
+    before = torch.cumsum(counts, 0)  # int64
+    tk.launch(kernels.pair_lists, (blocks,), table, before, in_idx, out_idx, offset_ptr, rows, volume, blocks,
+              BLOCK=block, WIDTH=width)
+    return in_idx, out_idx, offset_ptr
+
+
+def _pair_block(volume: int) -> int:
+    """Rows a pair-list program takes: about 4096 table entries."""
+    return max(16, 4096 // _width(volume))
+
+
+def _pair_lists_on_gpu(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The maps' pair builder: :func:`pair_lists` on a GPU. Not under the interpreter on the CPU,
+    which runs a program at a time (slower there than torch's ops; the tests call it directly)."""
+    return pair_lists(kernel_map) if kernel_map.neighbors.is_cuda else None
+
+
+set_pair_builder(_pair_lists_on_gpu)
 
 
 def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
@@ -368,6 +406,14 @@ def _plan_launch(table, rows, used, offsets, counts, slots, num_rows: int, row_s
     """tile_plan's arguments and options (one place for :func:`tile_plan` and :func:`precompile`)."""
     return ((table, rows, used, offsets, counts, slots, num_rows, row_stride, lo, width),
             dict(BLOCK_M=block_m, WIDTH=_width(width)))
+
+
+def precompile_pairs(device: torch.device, volume: int) -> None:
+    """Compile :func:`pair_lists`' kernels for a (rows, ``volume``) table without running them."""
+    kernels, i32, i64 = tk.kernels(), torch.int32, torch.int64
+    options = dict(BLOCK=_pair_block(volume), WIDTH=_width(volume))
+    tk.warm(kernels.pair_blocks, device, i32, i32, 2, volume, **options)
+    tk.warm(kernels.pair_lists, device, i32, i64, i64, i64, i64, 2, volume, 2, **options)
 
 
 def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequence[tuple[int, int]], sort: bool,

@@ -73,6 +73,11 @@ class Backend:
     version: int = 1
     deterministic: Callable[[str, Mapping], bool] = field(default=never_deterministic)
     precompile: PrecompileFn | None = None
+    prepare: Callable[[str, ConvProblem, Mapping, KernelMap], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                      ] | None = None
+    """``prepare(namespace, problem, params, kernel_map)``: ``run`` as a function of contiguous
+    operands ``(a, b)`` alone, everything else fixed (kept with the map by the backend): the tuner
+    calls it for a settled choice and then calls that function, skipping ``run``'s lookups."""
     compiles: Callable[[str, ConvProblem, Mapping], Hashable] | None = None
     """``compiles(namespace, problem, params)``: what ``precompile`` compiles for these arguments;
     background compiles of equal values are one job. None: the candidate and the problem but for

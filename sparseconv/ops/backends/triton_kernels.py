@@ -1,8 +1,8 @@
 """Triton kernels of the fused backends, defined on first use (importing sparseconv never imports Triton).
 
 Three kernels, each computing one tile of a gather-GEMM(-scatter) with fp32 accumulation (and
-two that build the mask kernels' views of a map, ``row_masks`` and ``tile_plan``, one launch
-each where torch needed about ten ops):
+those that build views of a map: the mask kernels' ``row_masks`` and ``tile_plan(s)``, one launch
+each where torch needed about ten ops, and the pair lists, ``pair_blocks`` and ``pair_lists``):
 
 - ``rows_gemm``: output-stationary. Each program owns BLOCK_M output rows x BLOCK_N columns and
   runs one pipelined loop over (offset, channel block), gathering its rows' neighbours; no
@@ -14,7 +14,8 @@ each where torch needed about ten ops):
   offset, multiplies and atomically adds into an fp32 output (or, where every output row has
   one pair in the whole map, stores straight into the output dtype: ATOMIC=False).
 - ``pairs_wgrad``: dW_k = A[in_k]^T B[out_k] over the pairs of offset k, split SPLIT ways along
-  the pairs (split-K); splits meet through fp32 atomics, and one split stores dW in its dtype.
+  the pairs (split-K); splits meet through fp32 atomics in a workspace the last split stores
+  from (in dW's dtype) and leaves zeroed; one split stores dW directly.
 
 The weight is addressed through strides, so dgrad reads W_k^T without a copy.
 """
@@ -142,7 +143,7 @@ def _define() -> SimpleNamespace:
 
     @triton.jit
     def pairs_wgrad(
-        a_ptr, b_ptr, in_ptr, out_idx_ptr, offset_ptr, dw_ptr,
+        a_ptr, b_ptr, in_ptr, out_idx_ptr, offset_ptr, dw_ptr, sum_ptr, ticket_ptr,
         c_in, c_out, split,
         BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
@@ -169,11 +170,25 @@ def _define() -> SimpleNamespace:
             a = tl.load(a_ptr + src[:, None] + rm[None, :], mask=p_ok[:, None] & rm_ok[None, :], other=0.0)
             b = tl.load(b_ptr + dst[:, None] + rn[None, :], mask=p_ok[:, None] & rn_ok[None, :], other=0.0)
             acc += tl.dot(tl.trans(a), b, input_precision=PRECISION)
-        target = dw_ptr + k * c_in * c_out + rm[:, None] * c_out + rn[None, :]
+        at = k * c_in * c_out + rm[:, None] * c_out + rn[None, :]
+        ok = rm_ok[:, None] & rn_ok[None, :]
         if ATOMIC:
-            tl.atomic_add(target, acc, mask=rm_ok[:, None] & rn_ok[None, :])
+            # The splits add into a zeroed fp32 sum; the last of them to finish (a ticket per
+            # (offset, tile)) reads the sum where the atomics left it (an atomic add of zero: from
+            # L2, never a stale cache line), stores it in dW's dtype, and zeroes the sum and the
+            # ticket for the next launch. No zero fill, no cast pass.
+            tl.atomic_add(sum_ptr + at, acc, mask=ok)
+            tl.debug_barrier()  # every thread's adds before the ticket (which one thread takes)
+            ticket = tl.atomic_add(ticket_ptr + k * tl.num_programs(1) + pid_mn, 1, sem="acq_rel")
+            tl.debug_barrier()
+            if ticket == split - 1:
+                none = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                total = tl.atomic_add(sum_ptr + at, none, mask=ok)
+                tl.store(dw_ptr + at, total.to(dw_ptr.dtype.element_ty), mask=ok)
+                tl.store(sum_ptr + at, none, mask=ok)
+                tl.atomic_xchg(ticket_ptr + k * tl.num_programs(1) + pid_mn, 0)
         else:  # every (offset, tile) program stores, pairs or none: dW in its own dtype, no zero fill
-            tl.store(target, acc.to(dw_ptr.dtype.element_ty), mask=rm_ok[:, None] & rn_ok[None, :])
+            tl.store(dw_ptr + at, acc.to(dw_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit(do_not_specialize=["rows", "row_stride", "stride", "b0", "b1", "b2", "b3", "tag"])
     def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, stride, b0, b1, b2, b3, tag,
@@ -262,8 +277,45 @@ def _define() -> SimpleNamespace:
         at = tile * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
 
+    @triton.jit(do_not_specialize=["rows", "width"])
+    def pair_blocks(table_ptr, counts_ptr, rows, width, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """counts[b, k]: the pairs of offset k among rows [b * BLOCK, (b + 1) * BLOCK) of a (rows,
+        width) neighbour table."""
+        block = tl.program_id(0)
+        i = block * BLOCK + tl.arange(0, BLOCK)
+        k = tl.arange(0, WIDTH)
+        ok = (i[:, None] < rows) & (k[None, :] < width)
+        source = tl.load(table_ptr + i[:, None] * width + k[None, :], mask=ok, other=-1)
+        tl.store(counts_ptr + block * WIDTH + k, tl.sum((source >= 0).to(tl.int32), axis=0))
+
+    @triton.jit(do_not_specialize=["rows", "width", "blocks"])
+    def pair_lists(table_ptr, before_ptr, in_ptr, out_ptr, offset_ptr, rows, width, blocks,
+                   BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """The pairs of a neighbour table by offset, each offset's by row: ``before`` holds
+        pair_blocks' counts summed over the blocks up to each (inclusive), so offset k's pairs start
+        at the sum of the earlier offsets' totals (its last row), a block's at that plus the earlier
+        blocks', a row's at that plus the block's earlier rows'."""
+        block = tl.program_id(0)
+        k = tl.arange(0, WIDTH)
+        k_ok = k < width
+        totals = tl.load(before_ptr + (blocks - 1) * WIDTH + k, mask=k_ok, other=0)
+        starts = tl.cumsum(totals, axis=0) - totals
+        if block == 0:
+            tl.store(offset_ptr + k, starts, mask=k_ok)
+            tl.store(offset_ptr + width, tl.sum(totals, axis=0))
+        earlier = tl.load(before_ptr + tl.maximum(block - 1, 0) * WIDTH + k, mask=k_ok, other=0)
+        earlier = tl.where(block > 0, earlier, 0)
+        i = block * BLOCK + tl.arange(0, BLOCK)
+        ok = (i[:, None] < rows) & k_ok[None, :]
+        source = tl.load(table_ptr + i[:, None] * width + k[None, :], mask=ok, other=-1)
+        present = (source >= 0).to(tl.int64)
+        at = starts[None, :] + earlier[None, :] + tl.cumsum(present, axis=0) - present
+        tl.store(in_ptr + at, source.to(tl.int64), mask=present > 0)
+        tl.store(out_ptr + at, (i[:, None] + k[None, :] * 0).to(tl.int64), mask=present > 0)
+
     return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad,
-                           row_masks=row_masks, tile_plan=tile_plan, tile_plans=tile_plans)
+                           row_masks=row_masks, tile_plan=tile_plan, tile_plans=tile_plans,
+                           pair_blocks=pair_blocks, pair_lists=pair_lists)
 
 
 
