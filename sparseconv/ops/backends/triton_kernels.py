@@ -369,7 +369,7 @@ class Bound:
         self.kernel, self.args, self.options = kernel, list(args), dict(options)
         self.varying = tuple(varying)
         self._specs = [None if at in self.varying else _specialisation(arg) for at, arg in enumerate(self.args)]
-        self._runners: dict[tuple, Callable] = {}
+        self._runners: dict[tuple, tuple[Callable, tuple]] = {}
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         args = self.args.copy()
@@ -378,7 +378,8 @@ class Bound:
         form = tuple((tensor.dtype, tensor.data_ptr() % 16 == 0) for tensor in tensors)
         runner = self._runners.get(form)
         if runner is not None:
-            runner(*args)
+            run, tail = runner
+            run(*args, *tail)
             return
         specs = self._specs.copy()
         for at, tensor in zip(self.varying, tensors):
@@ -386,9 +387,8 @@ class Bound:
         held = _launch(self.kernel, self.grid, args, self.options, tuple(specs))
         if held is not None:
             compiled, trailing = held
-            run = compiled[self.grid]
-            tail = [self.options[name] for name in trailing]
-            self._runners[form] = lambda *given: run(*given, *tail)
+            # (the launcher, the options it takes after the arguments): no closure per bound launch
+            self._runners[form] = (compiled[self.grid], tuple(self.options[name] for name in trailing))
 
 
 def _specialisation(arg):
