@@ -298,13 +298,28 @@ def _count_pairs(maps: list[KernelMap]) -> None:
     a host sync each in a training step's backward, with the GPU busy."""
     if not maps:
         return
-    counts = [(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]
-    flat = torch.cat(counts).tolist()
+    together = None if _pair_counter is None else _pair_counter(maps)
+    if together is None:
+        together = torch.cat([(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps])
+    flat = together.tolist()
     start = 0
-    for kernel_map, on_device in zip(maps, counts):
-        kernel_map.__dict__["offset_counts"] = on_device
+    for kernel_map in maps:
+        kernel_map.__dict__["offset_counts"] = together[start: start + kernel_map.kernel_volume]
         kernel_map.__dict__["pair_counts"] = flat[start: start + kernel_map.kernel_volume]
         start += kernel_map.kernel_volume
+
+
+PairCounter = Callable[[list[KernelMap]], torch.Tensor | None]
+"""counter(maps): every map's pairs per offset, map after map, in one int64 tensor on their device;
+None where it cannot (the torch ops then do: two a map and a concatenation)."""
+
+_pair_counter: PairCounter | None = None
+
+
+def set_pair_counter(counter: PairCounter | None) -> None:
+    """Have ``counter`` count the planned maps' pairs (the backends register their kernel's)."""
+    global _pair_counter
+    _pair_counter = counter
 
 
 def _start_in(part: torch.Tensor, whole: torch.Tensor) -> int:

@@ -101,7 +101,8 @@ def test_precompiled_triton_kernels_are_the_ones_the_run_launches(mode, dtype):
 
     def compiled() -> int:
         kernels = triton_kernels.kernels()
-        return sum(len(cache[0]) for name in ("rows_gemm", "pairs_gemm", "pairs_wgrad", "row_masks", "tile_plan")
+        return sum(len(cache[0]) for name in ("rows_gemm", "pairs_gemm", "pairs_wgrad", "row_masks", "tile_plan",
+                                              "pair_blocks", "pair_lists")
                    for cache in getattr(kernels, name).device_caches.values())
 
     c_in, c_out = 32, 48

@@ -151,10 +151,10 @@ orders (groups at most this wide; wider ones are left to the layers)."""
 
 def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
     """The plan's view builder (:func:`sparseconv.coords.plan.add_view_builder`): the forward row
-    orders (``mask_rows`` views) the last batches' layers used on each new map, built by a mask
-    launch each and ONE sort for all (int64 keys, the order's index above its mask bits), where
-    each layer would have sorted on its own (~14 launches and ~85 µs of host time a sort on an
-    H100 host). Offered to the maps (:meth:`KernelMap.offer`): a layer takes one only if its
+    orders (``mask_rows`` views) the last batches' layers used on each new map, built by ONE mask
+    launch and ONE sort for all (int64 keys, the order's index above its mask bits), where each
+    layer would have sorted on its own (~14 launches and ~85 µs of host time a sort on an H100
+    host; a mask launch per order until 2026-11-26, ~20 a street1 pass). Offered to the maps (:meth:`KernelMap.offer`): a layer takes one only if its
     tuned choice asks for it. Equal to what :func:`sorted_rows` builds."""
     parts = []
     for kernel_map, keys in wanted:
@@ -172,12 +172,18 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
     bases = [0, *itertools.accumulate(sizes)]
     device = parts[0][0].neighbors.device
     keys = torch.empty(bases[-1], dtype=torch.int64, device=device)
-    kernels = tk.kernels()
-    for index, ((kernel_map, key), base, size) in enumerate(zip(parts, bases, sizes)):
+    # One launch for every order (tables and counts by address: the maps hold them, and the
+    # allocator reuses them only after this launch, in stream order), the entry's index its tag.
+    meta, first = [], 0
+    for (kernel_map, key), base, size in zip(parts, bases, sizes):
         table = kernel_map.neighbors
-        args, options = _masks_launch(table, kernel_map.offset_counts, keys[base: base + size], table.shape[0],
-                                      table.stride(0), size, [key[2:]], index, PLANNED_SHIFT)
-        tk.launch(kernels.row_masks, (kernels.triton.cdiv(size, MASK_ROWS), 1), *args, **options)
+        meta.append([first, table.data_ptr(), kernel_map.offset_counts.data_ptr(), table.shape[0], table.stride(0),
+                     key[2], key[3] - key[2], base, size])
+        first += -(-size // MASK_ROWS)
+    kernels = tk.kernels()
+    meta_tensor = torch.tensor(meta, dtype=torch.int64).to(device, non_blocking=True)
+    tk.launch(kernels.row_masks_many, (first,), meta_tensor, keys, len(parts), BLOCK=MASK_ROWS,
+              WIDTH=_width(max(key[3] - key[2] for _, key in parts)), SHIFT=PLANNED_SHIFT)
     order = torch.sort(keys, stable=True).indices
     starts = torch.tensor([bases[:-1], sizes], dtype=torch.int64).to(device, non_blocking=True)
     order -= torch.repeat_interleave(starts[0], starts[1], output_size=bases[-1])
@@ -229,6 +235,36 @@ def _pair_lists_on_gpu(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tenso
 
 
 set_pair_builder(_pair_lists_on_gpu)
+
+
+def pair_counts(maps: list[KernelMap]) -> torch.Tensor | None:
+    """The map plan's pair counts (:func:`sparseconv.coords.plan.set_pair_counter`): every map's
+    pairs per offset in one launch on a GPU (tables by address), where torch took two ops a map
+    and a concatenation (~27 a street1 pass); None where the kernels do not run (see :func:`fused`)."""
+    tables = [m.neighbors for m in maps]
+    if not all(fused(t) and t.dtype == torch.int32 and t.is_contiguous() for t in tables):
+        return None
+    widest = max(t.shape[1] for t in tables)
+    block = _pair_block(widest)  # one block height for all: the widest table's
+    meta, first, start = [], 0, 0
+    for table in tables:
+        rows, width = table.shape
+        meta.append([first, table.data_ptr(), rows, width, start])
+        first += max(1, -(-rows // block))
+        start += width
+    out = torch.zeros(start, dtype=torch.int64, device=tables[0].device)
+    meta_tensor = torch.tensor(meta, dtype=torch.int64).to(out.device, non_blocking=True)
+    tk.launch(tk.kernels().pair_counts_many, (first,), meta_tensor, out, len(tables), BLOCK=block, WIDTH=_width(widest))
+    return out
+
+
+def _pair_counts_on_gpu(maps: list[KernelMap]) -> torch.Tensor | None:
+    """The plan's pair counter: :func:`pair_counts` on a GPU (on the CPU the interpreter would run
+    a program at a time; the tests call it directly)."""
+    return pair_counts(maps) if maps and maps[0].neighbors.is_cuda else None
+
+
+plan.set_pair_counter(_pair_counts_on_gpu)
 
 
 def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:
@@ -426,10 +462,12 @@ def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequenc
             # the table, the per-offset pair counts, the keys
             args, options = _masks_launch(i32, i64, _key_dtype(together), num_rows, volume, num_rows, together)
             tk.warm(kernels.row_masks, device, *args, **options)
-        for group in groups:  # the same orders built by the map plan, for all maps at once
-            if group[1] - group[0] <= PLANNED_SHIFT:
-                args, options = _masks_launch(i32, i64, i64, num_rows, volume, num_rows, [group], 0, PLANNED_SHIFT)
-                tk.warm(kernels.row_masks, device, *args, **options)
+        # the same orders built by the map plan, for all maps at once (the widest group sets WIDTH:
+        # this one's, or a whole table's)
+        for width in {_width(hi - lo) for lo, hi in groups if hi - lo <= PLANNED_SHIFT} | {_width(volume)}:
+            tk.warm(kernels.row_masks_many, device, i64, i64, 2, BLOCK=MASK_ROWS, WIDTH=width, SHIFT=PLANNED_SHIFT)
+    # the map plan's pair counts (its widest table sets the block: this one's, a submanifold 3^3)
+    tk.warm(kernels.pair_counts_many, device, i64, i64, 2, BLOCK=_pair_block(volume), WIDTH=_width(volume))
     for lo, hi in groups:
         width = hi - lo  # the row order below: int64 sort indices
         args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, block_m)

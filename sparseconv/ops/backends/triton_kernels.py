@@ -190,6 +190,52 @@ def _define() -> SimpleNamespace:
         else:  # every (offset, tile) program stores, pairs or none: dW in its own dtype, no zero fill
             tl.store(dw_ptr + at, acc.to(dw_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _entry(meta_ptr, entries, FIELDS: tl.constexpr):
+        """A batched launch's entry for this program: (its FIELDS int64 of the meta table, its
+        index, the program's block within it); the entry is the last whose first block (field 0)
+        the program is at or past."""
+        block = tl.program_id(0).to(tl.int64)
+        e = tl.program_id(0) * 0
+        for q in range(1, entries):
+            e = tl.where(tl.load(meta_ptr + q * FIELDS) <= block, q, e)
+        meta = meta_ptr + e.to(tl.int64) * FIELDS
+        return meta, e, block - tl.load(meta)
+
+    @triton.jit
+    def _rarity(count_ptr, lo, width, WIDTH: tl.constexpr):
+        """rank[k]: how many offsets of [lo, lo + width) are rarer than k (fewer pairs,
+        ``count_ptr[k]``; ties by offset): a WIDTH x WIDTH compare instead of an argsort launch and
+        three torch ops per view on the host."""
+        k = tl.arange(0, WIDTH)
+        j = tl.arange(0, WIDTH)
+        count_k = tl.load(count_ptr + lo + k, mask=k < width, other=0)
+        count_j = tl.load(count_ptr + lo + j, mask=j < width, other=0)
+        rarer = (count_j[None, :] < count_k[:, None]) | ((count_j[None, :] == count_k[:, None]) & (j[None, :] < k[:, None]))
+        return tl.sum((rarer & (j[None, :] < width)).to(tl.int32), axis=1)
+
+    @triton.jit
+    def _masks(table_ptr, r, rows, row_stride, lo, width, bit, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """Per row of ``r``: the sum (the OR: distinct powers of two) of 1 << bit[k] over the offsets
+        k of [lo, lo + width) it has a neighbour through (offsets whose bit is negative left out)."""
+        k = tl.arange(0, WIDTH)
+        ok = (r[:, None] < rows) & (k[None, :] < width)
+        present = tl.load(table_ptr + r[:, None].to(tl.int64) * row_stride + lo + k[None, :], mask=ok, other=-1) >= 0
+        one = tl.full((BLOCK, WIDTH), 1, tl.int64)
+        return tl.sum(tl.where(present & (bit[None, :] >= 0), one << tl.maximum(bit, 0).to(tl.int64)[None, :], 0), axis=1)
+
+    @triton.jit
+    def _table_fields(meta):
+        """Fields 1-6 of a batched entry over a neighbour table (the planned row orders' and tile
+        plans'): the int32 table, an int64 array of the entry (the pair counts, the row order), the
+        table's rows and row stride, and its offset range's start and width."""
+        return (tl.load(meta + 1).to(tl.pointer_type(tl.int32)), tl.load(meta + 2).to(tl.pointer_type(tl.int64)),
+                tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6))
+
+    # Triton's interpreter runs a kernel's source again against its module's globals, not the closure
+    # that defines it here: the helpers the kernels call must be found there too.
+    globals().update(_entry=_entry, _rarity=_rarity, _masks=_masks, _table_fields=_table_fields)
+
     @triton.jit(do_not_specialize=["rows", "row_stride", "stride", "b0", "b1", "b2", "b3", "tag"])
     def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, stride, b0, b1, b2, b3, tag,
                   BLOCK: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr):
@@ -201,23 +247,43 @@ def _define() -> SimpleNamespace:
         g = tl.program_id(1)
         lo = tl.where(g == 0, b0, tl.where(g == 1, b1, b2))
         width = tl.where(g == 0, b1, tl.where(g == 1, b2, b3)) - lo
-        k = tl.arange(0, WIDTH)
-        j = tl.arange(0, WIDTH)
-        count_k = tl.load(count_ptr + lo + k, mask=k < width, other=0)
-        count_j = tl.load(count_ptr + lo + j, mask=j < width, other=0)
-        # rank[k]: how many offsets are rarer than k (a WIDTH x WIDTH compare instead of an argsort
-        # launch and three torch ops per view on the host).
-        rarer = (count_j[None, :] < count_k[:, None]) | ((count_j[None, :] == count_k[:, None]) & (j[None, :] < k[:, None]))
-        rank = tl.sum((rarer & (j[None, :] < width)).to(tl.int32), axis=1)
-        bit = BITS - 1 - rank
+        bit = BITS - 1 - _rarity(count_ptr, lo, width, WIDTH)
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = (r[:, None] < rows) & (k[None, :] < width)
-        present = tl.load(table_ptr + r[:, None].to(tl.int64) * row_stride + lo + k[None, :], mask=ok, other=-1) >= 0
-        one = tl.full((BLOCK, WIDTH), 1, tl.int64)
-        weight = tl.where(present & (bit[None, :] >= 0), one << tl.maximum(bit, 0).to(tl.int64)[None, :], 0)
-        masks = tl.sum(weight, axis=1)  # distinct powers of two: the sum is the OR
+        masks = _masks(table_ptr, r, rows, row_stride, lo, width, bit, BLOCK, WIDTH)
         masks = tl.where(r < rows, masks, (1 << BITS) - 1) | ((g.to(tl.int64) + tag) << SHIFT)
         tl.store(out_ptr + g.to(tl.int64) * stride + r, masks.to(out_ptr.dtype.element_ty), mask=r < stride)
+
+    @triton.jit(do_not_specialize=["entries"])
+    def pair_counts_many(meta_ptr, out_ptr, entries, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """Pairs per offset of several neighbour tables in one launch, added into a zeroed int64
+        ``out`` (integer atomics: the sums do not depend on their order). Per table, 5 int64
+        (first block, table address, rows, width = row stride, where its counts start in out)."""
+        meta, e, block = _entry(meta_ptr, entries, 5)
+        table_ptr = tl.load(meta + 1).to(tl.pointer_type(tl.int32))
+        rows = tl.load(meta + 2)
+        width = tl.load(meta + 3)
+        r = block * BLOCK + tl.arange(0, BLOCK)
+        k = tl.arange(0, WIDTH)
+        ok = (r[:, None] < rows) & (k[None, :] < width)
+        present = tl.load(table_ptr + r[:, None] * width + k[None, :], mask=ok, other=-1) >= 0
+        tl.atomic_add(out_ptr + tl.load(meta + 4) + k, tl.sum(present.to(tl.int64), axis=0), mask=k < width)
+
+    @triton.jit(do_not_specialize=["entries"])
+    def row_masks_many(meta_ptr, out_ptr, entries, BLOCK: tl.constexpr, WIDTH: tl.constexpr, SHIFT: tl.constexpr):
+        """row_masks of one offset group for several tables in one launch (the map plan's orders):
+        the program's block is the entry's whose first block (meta field 0) it is at or past. Per
+        entry, 9 int64 (mask_views.build_planned_orders writes them): first block, table and count
+        addresses, rows, row stride, lo, width (its mask bits), where its keys start in out, their
+        count (rows padded, the padding given the largest key); the entry's index is its tag."""
+        meta, e, block = _entry(meta_ptr, entries, 9)
+        table_ptr, count_ptr, rows, row_stride, lo, width = _table_fields(meta)
+        keys_ptr = out_ptr + tl.load(meta + 7)
+        size = tl.load(meta + 8)
+        bit = width - 1 - _rarity(count_ptr, lo, width, WIDTH)
+        r = block * BLOCK + tl.arange(0, BLOCK)
+        masks = _masks(table_ptr, r, rows, row_stride, lo, width, bit, BLOCK, WIDTH)
+        masks = tl.where(r < rows, masks, (tl.full((BLOCK,), 1, tl.int64) << width) - 1) | (e.to(tl.int64) << SHIFT)
+        tl.store(keys_ptr + r, masks, mask=r < size)
 
     @triton.jit(do_not_specialize=["rows", "lo", "width"])
     def tile_plan(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, rows, row_stride, lo, width,
@@ -246,18 +312,8 @@ def _define() -> SimpleNamespace:
         program's tile is the plan's whose first tile (meta field 0) it is at or past. Per plan,
         11 int64 (mask_views.build_planned_tile_plans writes them): first tile, table and order addresses, rows, row stride, lo, width, and
         where its lists, counts and slots (int32 units) and used flags (bytes) start in out."""
-        tile = tl.program_id(0).to(tl.int64)
-        p = tl.program_id(0) * 0
-        for q in range(1, plans):
-            p = tl.where(tl.load(meta_ptr + q * 11) <= tile, q, p)
-        meta = meta_ptr + p.to(tl.int64) * 11
-        tile = tile - tl.load(meta)
-        table_ptr = tl.load(meta + 1).to(tl.pointer_type(tl.int32))
-        order_ptr = tl.load(meta + 2).to(tl.pointer_type(tl.int64))
-        rows = tl.load(meta + 3)
-        row_stride = tl.load(meta + 4)
-        lo = tl.load(meta + 5)
-        width = tl.load(meta + 6)
+        meta, _, tile = _entry(meta_ptr, plans, 11)
+        table_ptr, order_ptr, rows, row_stride, lo, width = _table_fields(meta)
         list_ptr = out_ptr + tl.load(meta + 7)
         count_ptr = out_ptr + tl.load(meta + 8)
         slots_ptr = out_ptr + tl.load(meta + 9)
@@ -315,7 +371,8 @@ def _define() -> SimpleNamespace:
 
     return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad,
                            row_masks=row_masks, tile_plan=tile_plan, tile_plans=tile_plans,
-                           pair_blocks=pair_blocks, pair_lists=pair_lists)
+                           pair_blocks=pair_blocks, pair_lists=pair_lists, row_masks_many=row_masks_many,
+                           pair_counts_many=pair_counts_many)
 
 
 
