@@ -104,15 +104,25 @@ def _wgrad_product(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int
         tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
         launch = tk.Bound(kernels.pairs_wgrad, (volume, tiles, split), args, options, varying=(0, 1, 5, 6, 7))
 
-    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if launch is None:
-            return a.new_zeros((volume, c_in, c_out))
-        dw = mask_triton.new_output((volume, c_in, c_out), a)
-        sums, tickets = split_sums(a.device, volume * c_in * c_out, volume * tiles) if split > 1 else (dw, dw)
-        launch(a, b, dw, sums, tickets)
-        return dw
+    return _WgradProduct(launch, (volume, c_in, c_out), split > 1, volume * tiles)
 
-    return product
+
+class _WgradProduct:
+    """:func:`_wgrad_product`'s function of (a, b); an object with slots, not a closure (see
+    mask_triton's ``_RowsProduct``)."""
+
+    __slots__ = ("launch", "shape", "split", "tickets")
+
+    def __init__(self, launch, shape: tuple[int, int, int], split: bool, tickets: int) -> None:
+        self.launch, self.shape, self.split, self.tickets = launch, shape, split, tickets
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.launch is None:
+            return a.new_zeros(self.shape)
+        dw = mask_triton.new_output(self.shape, a)
+        sums, tickets = split_sums(a.device, dw.numel(), self.tickets) if self.split else (dw, dw)
+        self.launch(a, b, dw, sums, tickets)
+        return dw
 
 
 _SPLIT_SUMS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

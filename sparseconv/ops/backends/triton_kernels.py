@@ -420,10 +420,13 @@ class Bound:
     ones only (the fixed ones' specialisations are taken once, here), so a new map's products find
     the kernels compiled for the last map's without Triton's launch."""
 
+    # Slots: a step makes ~80 of these, each instance dict another object for Python's collector.
+    __slots__ = ("grid", "kernel", "args", "options", "varying", "_specs", "_runners")
+
     def __init__(self, kernel, grid: tuple[int, ...], args: Sequence, options: Mapping, varying: Sequence[int]):
         # three dimensions, as a compiled kernel's launcher takes them (Triton's launch too)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.kernel, self.args, self.options = kernel, list(args), dict(options)
+        self.kernel, self.args, self.options = kernel, list(args), options
         self.varying = tuple(varying)
         self._specs = [None if at in self.varying else _specialisation(arg) for at, arg in enumerate(self.args)]
         self._runners: dict[tuple, tuple[Callable, tuple]] = {}
