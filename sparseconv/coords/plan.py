@@ -298,20 +298,20 @@ def _count_pairs(maps: list[KernelMap]) -> None:
     a host sync each in a training step's backward, with the GPU busy."""
     if not maps:
         return
-    together = None if _pair_counter is None else _pair_counter(maps)
-    if together is None:
-        together = torch.cat([(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps])
+    counted = None if _pair_counter is None else _pair_counter(maps)
+    if counted is None:
+        counted = (torch.cat([(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]),
+                   list(itertools.accumulate((m.kernel_volume for m in maps[:-1]), initial=0)))
+    together, starts = counted
     flat = together.tolist()
-    start = 0
-    for kernel_map in maps:
+    for kernel_map, start in zip(maps, starts):
         kernel_map.__dict__["offset_counts"] = together[start: start + kernel_map.kernel_volume]
         kernel_map.__dict__["pair_counts"] = flat[start: start + kernel_map.kernel_volume]
-        start += kernel_map.kernel_volume
 
 
-PairCounter = Callable[[list[KernelMap]], torch.Tensor | None]
-"""counter(maps): every map's pairs per offset, map after map, in one int64 tensor on their device;
-None where it cannot (the torch ops then do: two a map and a concatenation)."""
+PairCounter = Callable[[list[KernelMap]], tuple[torch.Tensor, list[int]] | None]
+"""counter(maps): every map's pairs per offset in one int64 tensor on their device and where each
+map's start in it; None where it cannot (the torch ops then do: two a map and a concatenation)."""
 
 _pair_counter: PairCounter | None = None
 

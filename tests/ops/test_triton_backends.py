@@ -170,14 +170,15 @@ def test_pair_lists_of_the_kernels_are_the_maps_own(mode, device, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_pair_counts_of_several_maps_in_one_launch_are_each_maps_own(device):
     """The map plan's pair counts from one launch over several tables (27, 125 and 8 offsets, rows
-    not a multiple of a block): each map's, as torch counts them."""
+    not a multiple of a block): each map's, as torch counts them, from a 16-byte aligned start."""
     maps = [_input_and_map(mode, 2, device, torch.float32, n=n, extent=9 if device == "cpu" else 40)[1]
             for mode, n in ((CASES[0], 300), (next(m for m in MODES if m.name == "submanifold_k5"), 257),
                             (CASES[1], 411))]
-    counts = mask_views.pair_counts(maps)
-    assert counts is not None and counts.dtype == torch.int64
-    expected = torch.cat([(m.neighbors >= 0).sum(0) for m in maps])
-    assert torch.equal(counts, expected) and counts.sum() > 0
+    counts, starts = mask_views.pair_counts(maps)
+    assert counts.dtype == torch.int64 and all(start % 2 == 0 for start in starts), "16-byte aligned starts"
+    for kernel_map, start in zip(maps, starts):
+        expected = (kernel_map.neighbors >= 0).sum(0)
+        assert torch.equal(counts[start: start + kernel_map.kernel_volume], expected) and expected.sum() > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -237,28 +237,30 @@ def _pair_lists_on_gpu(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tenso
 set_pair_builder(_pair_lists_on_gpu)
 
 
-def pair_counts(maps: list[KernelMap]) -> torch.Tensor | None:
+def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
     """The map plan's pair counts (:func:`sparseconv.coords.plan.set_pair_counter`): every map's
     pairs per offset in one launch on a GPU (tables by address), where torch took two ops a map
-    and a concatenation (~27 a street1 pass); None where the kernels do not run (see :func:`fused`)."""
+    and a concatenation (~27 a street1 pass), and each map's start in them (16-byte aligned: the
+    mask kernels take a map's counts as a pointer, and Triton compiles a kernel per alignment);
+    None where the kernels do not run (see :func:`fused`)."""
     tables = [m.neighbors for m in maps]
     if not all(fused(t) and t.dtype == torch.int32 and t.is_contiguous() for t in tables):
         return None
     widest = max(t.shape[1] for t in tables)
     block = _pair_block(widest)  # one block height for all: the widest table's
-    meta, first, start = [], 0, 0
+    meta, first, starts = [], 0, [0]
     for table in tables:
         rows, width = table.shape
-        meta.append([first, table.data_ptr(), rows, width, start])
+        meta.append([first, table.data_ptr(), rows, width, starts[-1]])
         first += max(1, -(-rows // block))
-        start += width
-    out = torch.zeros(start, dtype=torch.int64, device=tables[0].device)
+        starts.append(starts[-1] + -(-width // 2) * 2)
+    out = torch.zeros(starts[-1], dtype=torch.int64, device=tables[0].device)
     meta_tensor = torch.tensor(meta, dtype=torch.int64).to(out.device, non_blocking=True)
     tk.launch(tk.kernels().pair_counts_many, (first,), meta_tensor, out, len(tables), BLOCK=block, WIDTH=_width(widest))
-    return out
+    return out, starts[:-1]
 
 
-def _pair_counts_on_gpu(maps: list[KernelMap]) -> torch.Tensor | None:
+def _pair_counts_on_gpu(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
     """The plan's pair counter: :func:`pair_counts` on a GPU (on the CPU the interpreter would run
     a program at a time; the tests call it directly)."""
     return pair_counts(maps) if maps and maps[0].neighbors.is_cuda else None
