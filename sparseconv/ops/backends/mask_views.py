@@ -132,16 +132,13 @@ def _bits(groups: Sequence[tuple[int, int]]) -> int:
 
 
 def _masks_launch(table, counts, keys, rows: int, row_stride: int, stride: int,
-                  groups: Sequence[tuple[int, int]], tag: int = 0, shift: int | None = None) -> tuple[tuple, dict]:
-    """row_masks' arguments and options (one place for :func:`fused_row_orders`,
-    :func:`build_planned_orders` and :func:`precompile`): the group index sits at bit ``shift``
-    (default: just above the mask bits), ``tag`` added."""
+                  groups: Sequence[tuple[int, int]]) -> tuple[tuple, dict]:
+    """row_masks' arguments and options (one place for :func:`fused_row_orders` and
+    :func:`precompile`)."""
     bounds = [lo for lo, _ in groups] + [groups[-1][1]]
     bounds += [bounds[-1]] * (4 - len(bounds))
-    bits = _bits(groups)
-    return ((table, counts, keys, rows, row_stride, stride, *bounds, tag),
-            dict(BLOCK=MASK_ROWS, WIDTH=_width(max(hi - lo for lo, hi in groups)), BITS=bits,
-                 SHIFT=bits if shift is None else shift))
+    return ((table, counts, keys, rows, row_stride, stride, *bounds),
+            dict(BLOCK=MASK_ROWS, WIDTH=_width(max(hi - lo for lo, hi in groups)), BITS=_bits(groups)))
 
 
 PLANNED_SHIFT = 40
@@ -154,8 +151,9 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
     orders (``mask_rows`` views) the last batches' layers used on each new map, built by ONE mask
     launch and ONE sort for all (int64 keys, the order's index above its mask bits), where each
     layer would have sorted on its own (~14 launches and ~85 µs of host time a sort on an H100
-    host; a mask launch per order until 2026-11-26, ~20 a street1 pass). Offered to the maps (:meth:`KernelMap.offer`): a layer takes one only if its
-    tuned choice asks for it. Equal to what :func:`sorted_rows` builds."""
+    host; a mask launch per order until 2026-11-26, ~20 a street1 pass). Offered to the maps
+    (:meth:`KernelMap.offer`): a layer takes one only if its tuned choice asks for it. Equal to
+    what :func:`sorted_rows` builds."""
     parts = []
     for kernel_map, keys in wanted:
         table = kernel_map.neighbors

@@ -236,11 +236,11 @@ def _define() -> SimpleNamespace:
     # that defines it here: the helpers the kernels call must be found there too.
     globals().update(_entry=_entry, _rarity=_rarity, _masks=_masks, _table_fields=_table_fields)
 
-    @triton.jit(do_not_specialize=["rows", "row_stride", "stride", "b0", "b1", "b2", "b3", "tag"])
-    def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, stride, b0, b1, b2, b3, tag,
-                  BLOCK: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr):
+    @triton.jit(do_not_specialize=["rows", "row_stride", "stride", "b0", "b1", "b2", "b3"])
+    def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, stride, b0, b1, b2, b3,
+                  BLOCK: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr):
         """The sort keys of up to three offset groups' row orders (group g = program_id(1) holds the
-        offsets [b_g, b_g+1)): out[g * stride + i] = (tag + g) << SHIFT | the bitmask of the group's
+        offsets [b_g, b_g+1)): out[g * stride + i] = g << BITS | the bitmask of the group's
         offsets present in row i, the rarest offset (fewest pairs, ``count_ptr[k]``; ties by offset)
         most significant; only the ``BITS`` rarest get a bit. Entries from ``rows`` to ``stride``
         (the padding that keeps each group's part aligned) get the group's largest key."""
@@ -250,7 +250,7 @@ def _define() -> SimpleNamespace:
         bit = BITS - 1 - _rarity(count_ptr, lo, width, WIDTH)
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         masks = _masks(table_ptr, r, rows, row_stride, lo, width, bit, BLOCK, WIDTH)
-        masks = tl.where(r < rows, masks, (1 << BITS) - 1) | ((g.to(tl.int64) + tag) << SHIFT)
+        masks = tl.where(r < rows, masks, (1 << BITS) - 1) | (g.to(tl.int64) << BITS)
         tl.store(out_ptr + g.to(tl.int64) * stride + r, masks.to(out_ptr.dtype.element_ty), mask=r < stride)
 
     @triton.jit(do_not_specialize=["entries"])
