@@ -279,6 +279,32 @@ def test_fused_tile_views_equal_the_torch_reference(device, mode_name, forward, 
                 assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected.cpu())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_submanifold_dgrad_runs_over_the_forward_plan_with_mirrored_weights(device, splits, poisoned_outputs):
+    # A submanifold map's dgrad takes the tile plans its forward built (offset k reading W_{K-1-k})
+    # where the forward holds the mirrored groups' plans (1 and 3 groups of 27 are symmetric, 2 are
+    # not: that dgrad builds its own), and equals the reference either way.
+    mode = next(m for m in MODES if m.name == "submanifold_k3")
+    c_in, c_out, dtype = 5, 7, torch.float32
+    x, kernel_map = _input_and_map(mode, c_in, device, dtype, n=60 if device == "cpu" else 4000,
+                                   extent=6 if device == "cpu" else 30)
+    weight = torch.randn(kernel_map.kernel_volume, c_in, c_out, device=device, dtype=dtype)
+    grad_out = torch.randn(kernel_map.num_out, c_out, device=device, dtype=dtype)
+    problem = _problem(x, kernel_map, c_in, c_out, dtype, mode)
+    params = {**mask_triton._params(0, True, splits), "block_m": 16 if device == "cpu" else 64}
+    mask_triton.run("AB_gather_scatter", problem, params, x.feats, weight, kernel_map)
+    plans = {key for key in kernel_map._derived if key[0] == "tile_plan"}
+    out = mask_triton.run("ABt_gather_scatter", problem, params, grad_out, weight, kernel_map)
+    ref = explicit.run("ABt_gather_scatter", problem, {}, grad_out.double(), weight.double(), kernel_map)
+    assert bool(torch.isfinite(out).all()) and relative_error(out, ref) < TOLERANCE[dtype]
+    own = {key for key in kernel_map._derived if key[0] == "tile_plan"} - plans
+    if splits == 2:
+        assert own and all(not forward for _, forward, *_ in own) and "transposed_neighbors" in kernel_map.__dict__
+    else:
+        assert not own and "transposed_neighbors" not in kernel_map.__dict__
+
+
 def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
     # The map plan builds the row orders the last batch's layers used on its maps, for all maps with
     # one sort (mask_views.build_planned_orders); a layer then takes the order it would have built.

@@ -30,17 +30,21 @@ def new_output(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_dim: int, out_dim: int,
-                  strides: tuple[int, int, int], dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+                  strides: tuple[int, int, int], dtype: torch.dtype, mirrored: bool = False
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The product as a function of (a, w): one launch per offset group, the first storing every
     row, the later ones adding theirs (rows are re-sorted per group, so each group's tiles are dense
     in the offsets they visit). Everything but the operands and the output (views, grid, sizes,
-    options) is fixed here, once per (map, product, parameters): the layers on one map call it."""
+    options) is fixed here, once per (map, product, parameters): the layers on one map call it.
+    ``mirrored``: a submanifold dgrad over the forward views, offset k reading W_{K-1-k} (:func:`_mirrored`)."""
     kernels = tk.kernels()
     table = product_table(kernel_map, forward)
     num_rows = table.shape[0]
     bm, bn = int(params["block_m"]), int(params["block_n"])
     sort = bool(params.get("sort", True))
     groups = offset_groups(table.shape[1], int(params.get("splits", 1)))
+    if mirrored:
+        groups = _mirror(groups, table.shape[1])
     launches = []
     if num_rows and out_dim:
         for step, group in enumerate(groups):
@@ -51,22 +55,26 @@ def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_
                                          num_rows, reduce_dim, out_dim, offsets.shape[1], strides)
             launches.append(tk.Bound(kernels.rows_gemm, grid, args, options, varying=(0, 1, 6)))
 
-    return _RowsProduct(num_rows, out_dim, tuple(launches))
+    return _RowsProduct(num_rows, out_dim, tuple(launches), table.shape[1] - 1 if mirrored else None)
 
 
 class _RowsProduct:
     """:func:`_rows_product`'s function of (a, w). An object with slots, not a closure: a step makes
-    ~50 of them, and each closure cell is another object for Python's collector to promote."""
+    ~50 of them, and each closure cell is another object for Python's collector to promote.
+    ``last``: for a mirrored product, the last offset, whose weight the launches start from (they
+    step through W backwards: a negative offset stride)."""
 
-    __slots__ = ("num_rows", "out_dim", "launches")
+    __slots__ = ("num_rows", "out_dim", "launches", "last")
 
-    def __init__(self, num_rows: int, out_dim: int, launches: tuple) -> None:
-        self.num_rows, self.out_dim, self.launches = num_rows, out_dim, launches
+    def __init__(self, num_rows: int, out_dim: int, launches: tuple, last: int | None = None) -> None:
+        self.num_rows, self.out_dim, self.launches, self.last = num_rows, out_dim, launches, last
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = new_output((self.num_rows, self.out_dim), a)
         if not self.launches:
             return out.zero_()
+        if self.last is not None:
+            w = w[self.last]
         for launch in self.launches:
             launch(a, w, out)
         return out
@@ -129,7 +137,31 @@ def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: in
         # The product keeps the adjoint's views it launches with, not the adjoint (which refers to
         # this map: a cycle would keep both maps' tables until a full garbage collection).
         kernel_map, forward = kernel_map.transposed(), True
+    elif not forward and _mirrored(kernel_map, params):
+        return _rows_product(kernel_map, True, params, reduce_dim, out_dim, (-strides[0], *strides[1:]), dtype,
+                             mirrored=True)
     return _rows_product(kernel_map, forward, params, reduce_dim, out_dim, strides, dtype)
+
+
+def _mirrored(kernel_map: KernelMap, params: Mapping) -> bool:
+    """Whether a submanifold map's dgrad runs over the forward views its forward layers built already.
+
+    The transposed table of such a map is its own with the offsets mirrored (row i meets row j
+    through k exactly when j meets i through K-1-k), so dgrad, gin_i = sum_k gout[T_ik] W_k^T, is
+    gin_i = sum_k gout[N_ik] W_{K-1-k}^T: the forward tile plan of the mirrored offset groups, its
+    offset k reading W_{K-1-k} (a pointer to W_{K-1} and a negative offset stride). Taken where the
+    forward plan of those groups is held (the usual case: dgrad and forward tuned to the same tile
+    height and groups): no transposed table, row order or tile plan of its own. Elsewhere dgrad
+    builds its own (here in backward, not ahead in the map plan: forward keys would be planned
+    ahead, into the forward pass's memory peak)."""
+    volume, sort = kernel_map.kernel_volume, bool(params.get("sort", True))
+    groups = _mirror(offset_groups(volume, int(params.get("splits", 1))), volume)
+    return all(kernel_map.holds(("tile_plan", True, sort, int(params["block_m"]), lo, hi)) for lo, hi in groups)
+
+
+def _mirror(groups: list[tuple[int, int]], volume: int) -> list[tuple[int, int]]:
+    """The offset groups of the mirrored offsets (k -> K-1-k), in the same order."""
+    return [(volume - hi, volume - lo) for lo, hi in groups]
 
 
 TILES = [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
