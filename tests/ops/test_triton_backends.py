@@ -390,8 +390,8 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
 
     use(batch())
     launches = []
-    original = tk.launch
-    monkeypatch.setattr(tk, "launch", lambda kernel, *a, **k: launches.append(kernel) or original(kernel, *a, **k))
+    original = mask_views.launch
+    monkeypatch.setattr(mask_views, "launch", lambda kernel, *a, **k: launches.append(kernel) or original(kernel, *a, **k))
     x = batch()
     maps = {key: x.cache.kernel_map(key)[0] for key in (subm, down)}
     up = up_of(x)

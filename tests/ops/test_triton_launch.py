@@ -1,22 +1,30 @@
-"""triton_kernels.launch: a compiled kernel is launched directly only for arguments that select
-the binary Triton compiled for them (checked with a stand-in kernel: no GPU, no compiler)."""
+"""triton_launch: a compiled kernel is launched directly only for arguments that select the binary
+Triton compiled for them, and through Triton's runner while a launch hook is installed (checked
+with a stand-in kernel: no GPU, no compiler; a real hook on the GPU)."""
 
 import pytest
 import torch
 
-from sparseconv.ops.backends import triton_kernels as tk
+from sparseconv.ops.backends import triton_launch as tk
 
 
 class Compiled:
-    """What Triton's launch returns: a compiled kernel, launched by ``[grid](*all_arguments)``."""
+    """What Triton's launch returns: a compiled kernel, whose launcher ``run`` takes the grid, the
+    stream, its function and metadata, the launch metadata and hooks, then every argument; its
+    runner ``[grid](*all_arguments)`` (what a launch takes while a hook is installed) calls it."""
 
     packed_metadata = b""
+    function = 7
 
     def __init__(self, launches: list) -> None:
         self.launches = launches
 
+    def run(self, x, y, z, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        assert function == self.function and metadata is self.packed_metadata
+        self.launches.append(("direct", (x, y, z), args))
+
     def __getitem__(self, grid):
-        return lambda *args: self.launches.append(("direct", grid, args))
+        return lambda *args: self.launches.append(("runner", grid, args))
 
 
 class Kernel:
@@ -35,10 +43,26 @@ class Kernel:
         return run
 
 
+class Hooks:
+    """Where Triton keeps its launch hooks (knobs.runtime); a chain of them from Triton 3.6."""
+
+    def __init__(self) -> None:
+        self.launch_enter_hook, self.launch_exit_hook = None, None
+
+
 @pytest.fixture
-def direct(monkeypatch):
+def hooks(monkeypatch):
+    owner = Hooks()
+    monkeypatch.setattr(tk, "_hook_owner", lambda: owner)
+    return owner
+
+
+@pytest.fixture
+def direct(monkeypatch, hooks):
     monkeypatch.setattr(tk, "_direct_launches", lambda: True)
     monkeypatch.setattr(tk, "_COMPILED", {})
+    monkeypatch.setattr(tk, "_current_device", lambda: 0)
+    monkeypatch.setattr(tk, "_current_stream", lambda device: 0)
 
 
 def ways(kernel: Kernel) -> list[str]:
@@ -131,3 +155,47 @@ def test_a_new_bound_launch_finds_the_kernel_compiled_for_an_earlier_one(direct)
     tk.Bound(kernel, (7,), [None, torch.zeros(12), 100, None], {"BLOCK": 32}, varying=(0, 3))(a, out)
     assert ways(kernel) == ["triton", "direct", "triton"]  # 100 is not divisible by 16: another binary
     assert kernel.launches[1][1] == (7, 1, 1) and kernel.launches[1][2][2] == 112
+
+
+class Chain:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+
+@pytest.mark.parametrize("hook", ["function", "chain", "empty chain"])
+def test_a_launch_hook_sees_every_launch_through_triton_s_runner(direct, hooks, hook):
+    """A profiler's hook (Proton's) is called by Triton's runner: while one is installed, the
+    compiled kernel is launched through it; an empty chain (Triton 3.6's default) is no hook."""
+    kernel = Kernel()
+    a, out = torch.zeros(64), torch.zeros(64)
+    tk.launch(kernel, (3,), a, out, 1000, BLOCK=32)
+    hooks.launch_enter_hook = {"function": print, "chain": Chain([print]), "empty chain": Chain([])}[hook]
+    tk.launch(kernel, (3,), a, out, 1000, BLOCK=32)
+    assert ways(kernel) == ["triton", "direct" if hook == "empty chain" else "runner"]
+    assert kernel.launches[1][1:] == ((3, 1, 1), (a, out, 1000, 32))
+
+
+@pytest.mark.gpu
+def test_a_real_launch_hook_sees_the_direct_launches():
+    """Triton 3.6's hook chain (or an older Triton's hook) is called for a launch that went direct
+    before the hook was installed, and not after it is removed."""
+    pytest.importorskip("triton")
+    from sparseconv.ops.backends import mask_views, triton_kernels
+
+    table = torch.arange(8, dtype=torch.int32, device="cuda").view(8, 1)
+    counts = torch.ones(1, dtype=torch.int64, device="cuda")
+    keys = torch.empty(8, dtype=torch.int16, device="cuda")
+    args, options = mask_views._masks_launch(table, counts, keys, 8, 1, 8, [(0, 1)])
+    kernel = triton_kernels.kernels().row_masks
+    owner, seen = tk._hook_owner(), []
+    previous = owner.launch_enter_hook
+    hook = seen.append
+    for installed in (False, False, True, False):  # the first launch through Triton, the next direct
+        if installed:
+            previous.add(hook) if hasattr(previous, "add") else setattr(owner, "launch_enter_hook", hook)
+        try:
+            tk.launch(kernel, (1, 1), *args, **options)
+        finally:
+            previous.remove(hook) if hasattr(previous, "remove") else setattr(owner, "launch_enter_hook", previous)
+    torch.cuda.synchronize()
+    assert len(seen) == 1

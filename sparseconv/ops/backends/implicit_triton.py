@@ -17,8 +17,9 @@ import torch
 
 from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
-from . import triton_kernels as tk
 from . import mask_triton, mask_views
+from . import triton_kernels as tk
+from .triton_launch import Bound, launch, warm
 from .registry import Backend, never_deterministic, register
 
 
@@ -44,7 +45,7 @@ def run_gemm(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Ten
                                      a, w, gather, scatter, offset_ptr, out)
         grid = (kernel_map.kernel_volume, kernels.triton.cdiv(longest, options["BLOCK_P"]),
                 kernels.triton.cdiv(out_dim, options["BLOCK_N"]))
-        tk.launch(kernels.pairs_gemm, grid, *args, **options)
+        launch(kernels.pairs_gemm, grid, *args, **options)
     return out.to(a.dtype)
 
 
@@ -72,7 +73,7 @@ def precompile_gemm(namespace: str, problem: ConvProblem, params: Mapping, kerne
     args, options = _gemm_launch(forward, problem.in_channels, problem.out_channels, problem.dtype, single, params,
                                  problem.dtype, problem.dtype, index, index, index,
                                  problem.dtype if single else torch.float32)
-    tk.warm(tk.kernels().pairs_gemm, problem.device, *args, **options)
+    warm(tk.kernels().pairs_gemm, problem.device, *args, **options)
 
 
 def run_wgrad(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):
@@ -95,16 +96,16 @@ def _wgrad_product(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int
     Split, the splits add into the stream's zeroed fp32 sums and the last split of each tile stores
     its sum in a's dtype (:func:`split_sums`); unsplit, each program stores its own. One launch
     either way: no zero fill, no cast pass."""
-    volume, launch, split, tiles = kernel_map.kernel_volume, None, int(params["split"]), 0
+    volume, bound, split, tiles = kernel_map.kernel_volume, None, int(params["split"]), 0
     if kernel_map.num_pairs and c_in and c_out:
         kernels = tk.kernels()
         in_idx, out_idx, offset_ptr = kernel_map.pairs
         args, options = _wgrad_launch(c_in, c_out, dtype, params, None, None, in_idx, out_idx, offset_ptr, None,
                                       None, None)
         tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
-        launch = tk.Bound(kernels.pairs_wgrad, (volume, tiles, split), args, options, varying=(0, 1, 5, 6, 7))
+        bound = Bound(kernels.pairs_wgrad, (volume, tiles, split), args, options, varying=(0, 1, 5, 6, 7))
 
-    return _WgradProduct(launch, (volume, c_in, c_out), split > 1, volume * tiles)
+    return _WgradProduct(bound, (volume, c_in, c_out), split > 1, volume * tiles)
 
 
 class _WgradProduct:
@@ -160,7 +161,7 @@ def precompile_wgrad(namespace: str, problem: ConvProblem, params: Mapping, kern
     args, options = _wgrad_launch(problem.in_channels, problem.out_channels, problem.dtype, params,
                                   problem.dtype, problem.dtype, index, index, index, problem.dtype,
                                   torch.float32 if split else problem.dtype, torch.int32 if split else problem.dtype)
-    tk.warm(tk.kernels().pairs_wgrad, problem.device, *args, **options)
+    warm(tk.kernels().pairs_wgrad, problem.device, *args, **options)
 
 
 GEMM_SPACE = tuple(

@@ -20,6 +20,7 @@ from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import mask_views
 from . import triton_kernels as tk
+from .triton_launch import Bound, warm
 from .mask_views import offset_groups, product_table, sorted_rows, tile_plan
 from .registry import Backend, always_deterministic, register
 
@@ -53,7 +54,7 @@ def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_
             grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
             args, options = _rows_launch(params, dtype, step, (None, None, slots, rows, offsets, counts, None),
                                          num_rows, reduce_dim, out_dim, offsets.shape[1], strides)
-            launches.append(tk.Bound(kernels.rows_gemm, grid, args, options, varying=(0, 1, 6)))
+            launches.append(Bound(kernels.rows_gemm, grid, args, options, varying=(0, 1, 6)))
 
     return _RowsProduct(num_rows, out_dim, tuple(launches), table.shape[1] - 1 if mirrored else None)
 
@@ -112,7 +113,7 @@ def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map
     for step, (lo, hi) in enumerate(groups):
         args, options = _rows_launch(params, dtype, step, (dtype, dtype, i32, i64, i32, i32, dtype),
                                      num_rows, reduce_dim, out_dim, hi - lo, strides)
-        tk.warm(kernels.rows_gemm, problem.device, *args, **options)
+        warm(kernels.rows_gemm, problem.device, *args, **options)
 
 
 def run(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap):

@@ -20,6 +20,7 @@ from ... import config
 from ...coords import plan
 from ...coords.kernel_map import KernelMap, set_pair_builder
 from . import triton_kernels as tk
+from .triton_launch import launch, warm
 
 
 def product_table(kernel_map: KernelMap, forward: bool) -> torch.Tensor:
@@ -101,7 +102,7 @@ def fused_row_orders(table: torch.Tensor, groups: Sequence[tuple[int, int]], cou
     keys = torch.empty(parts * stride, dtype=_key_dtype(groups), device=table.device)
     kernels = tk.kernels()
     args, options = _masks_launch(table, counts, keys, rows, table.stride(0), stride, groups)
-    tk.launch(kernels.row_masks, (kernels.triton.cdiv(stride, MASK_ROWS), parts), *args, **options)
+    launch(kernels.row_masks, (kernels.triton.cdiv(stride, MASK_ROWS), parts), *args, **options)
     order = torch.sort(keys, stable=True).indices
     if parts == 1:
         return [order]
@@ -180,7 +181,7 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
         first += -(-size // MASK_ROWS)
     kernels = tk.kernels()
     meta_tensor = torch.tensor(meta, dtype=torch.int64).to(device, non_blocking=True)
-    tk.launch(kernels.row_masks_many, (first,), meta_tensor, keys, len(parts), BLOCK=MASK_ROWS,
+    launch(kernels.row_masks_many, (first,), meta_tensor, keys, len(parts), BLOCK=MASK_ROWS,
               WIDTH=_width(max(key[3] - key[2] for _, key in parts)), SHIFT=PLANNED_SHIFT)
     order = torch.sort(keys, stable=True).indices
     starts = torch.tensor([bases[:-1], sizes], dtype=torch.int64).to(device, non_blocking=True)
@@ -214,9 +215,9 @@ def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch
     in_idx = torch.empty(total, dtype=torch.int64, device=device)
     out_idx = torch.empty(total, dtype=torch.int64, device=device)
     offset_ptr = torch.empty(volume + 1, dtype=torch.int64, device=device)
-    tk.launch(kernels.pair_blocks, (blocks,), table, counts, rows, volume, BLOCK=block, WIDTH=width)
+    launch(kernels.pair_blocks, (blocks,), table, counts, rows, volume, BLOCK=block, WIDTH=width)
     before = torch.cumsum(counts, 0)  # int64
-    tk.launch(kernels.pair_lists, (blocks,), table, before, in_idx, out_idx, offset_ptr, rows, volume, blocks,
+    launch(kernels.pair_lists, (blocks,), table, before, in_idx, out_idx, offset_ptr, rows, volume, blocks,
               BLOCK=block, WIDTH=width)
     return in_idx, out_idx, offset_ptr
 
@@ -254,7 +255,7 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
         starts.append(starts[-1] + -(-width // 2) * 2)
     out = torch.zeros(starts[-1], dtype=torch.int64, device=tables[0].device)
     meta_tensor = torch.tensor(meta, dtype=torch.int64).to(out.device, non_blocking=True)
-    tk.launch(tk.kernels().pair_counts_many, (first,), meta_tensor, out, len(tables), BLOCK=block, WIDTH=_width(widest))
+    launch(tk.kernels().pair_counts_many, (first,), meta_tensor, out, len(tables), BLOCK=block, WIDTH=_width(widest))
     return out, starts[:-1]
 
 
@@ -348,7 +349,7 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
             if tiles:
                 args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0),
                                              lo, width, block_m)
-                tk.launch(tk.kernels().tile_plan, (tiles,), *args, **options)
+                launch(tk.kernels().tile_plan, (tiles,), *args, **options)
             return used, offsets, counts, slots
         # The visited rows' sources, padded with "none" to whole tiles: the lists and the slots both read it.
         padded = torch.full((tiles * block_m, width), -1, dtype=torch.int32, device=device)
@@ -424,7 +425,7 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
         # The kernel reads the tables and orders by address: they are the maps' own views, which
         # the maps hold (and the allocator reuses only after this launch, in stream order).
         widest = _width(max(hi - lo for _, (*_, lo, hi), _, _ in group))  # narrower plans mask the rest
-        tk.launch(kernels.tile_plans, (first,), meta_tensor, flat, len(group), BLOCK_M=block_m, WIDTH=widest)
+        launch(kernels.tile_plans, (first,), meta_tensor, flat, len(group), BLOCK_M=block_m, WIDTH=widest)
         for (kernel_map, key, _, _), (tiles, width), base in zip(group, sizes, bases):
             kernel_map.offer(key, _plan_views(flat[base:], tiles, width, block_m))
 
@@ -448,8 +449,8 @@ def precompile_pairs(device: torch.device, volume: int) -> None:
     """Compile :func:`pair_lists`' kernels for a (rows, ``volume``) table without running them."""
     kernels, i32, i64 = tk.kernels(), torch.int32, torch.int64
     options = dict(BLOCK=_pair_block(volume), WIDTH=_width(volume))
-    tk.warm(kernels.pair_blocks, device, i32, i32, 2, volume, **options)
-    tk.warm(kernels.pair_lists, device, i32, i64, i64, i64, i64, 2, volume, 2, **options)
+    warm(kernels.pair_blocks, device, i32, i32, 2, volume, **options)
+    warm(kernels.pair_lists, device, i32, i64, i64, i64, i64, 2, volume, 2, **options)
 
 
 def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequence[tuple[int, int]], sort: bool,
@@ -461,16 +462,16 @@ def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequenc
         for together in [groups] if _together(groups) else [[group] for group in groups]:
             # the table, the per-offset pair counts, the keys
             args, options = _masks_launch(i32, i64, _key_dtype(together), num_rows, volume, num_rows, together)
-            tk.warm(kernels.row_masks, device, *args, **options)
+            warm(kernels.row_masks, device, *args, **options)
         # the same orders built by the map plan, for all maps at once (the widest group sets WIDTH:
         # this one's, or a whole table's)
         for width in {_width(hi - lo) for lo, hi in groups if hi - lo <= PLANNED_SHIFT} | {_width(volume)}:
-            tk.warm(kernels.row_masks_many, device, i64, i64, 2, BLOCK=MASK_ROWS, WIDTH=width, SHIFT=PLANNED_SHIFT)
+            warm(kernels.row_masks_many, device, i64, i64, 2, BLOCK=MASK_ROWS, WIDTH=width, SHIFT=PLANNED_SHIFT)
     # the map plan's pair counts (its widest table sets the block: this one's, a submanifold 3^3)
-    tk.warm(kernels.pair_counts_many, device, i64, i64, 2, BLOCK=_pair_block(volume), WIDTH=_width(volume))
+    warm(kernels.pair_counts_many, device, i64, i64, 2, BLOCK=_pair_block(volume), WIDTH=_width(volume))
     for lo, hi in groups:
         width = hi - lo  # the row order below: int64 sort indices
         args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, block_m)
-        tk.warm(kernels.tile_plan, device, *args, **options)
+        warm(kernels.tile_plan, device, *args, **options)
         # the same plans built by the map plan, with others of this tile height (the widest sets WIDTH)
-        tk.warm(kernels.tile_plans, device, i64, i32, 2, BLOCK_M=block_m, WIDTH=_width(width))
+        warm(kernels.tile_plans, device, i64, i32, 2, BLOCK_M=block_m, WIDTH=_width(width))

@@ -17,14 +17,13 @@ each where torch needed about ten ops, and the pair lists, ``pair_blocks`` and `
   the pairs (split-K); splits meet through fp32 atomics in a workspace the last split stores
   from (in dW's dtype) and leaves zeroed; one split stores dW directly.
 
-The weight is addressed through strides, so dgrad reads W_k^T without a copy.
+The weight is addressed through strides, so dgrad reads W_k^T without a copy. Their launches:
+:mod:`.triton_launch`.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 
 import torch
@@ -376,106 +375,6 @@ def _define() -> SimpleNamespace:
 
 
 
-def launch(kernel, grid: tuple[int, ...], *args, **options):
-    """``kernel[grid](*args, **options)``, with ~10 µs less host time a launch once compiled.
-
-    Triton's own launch binds the arguments and derives its specialisation key from each of them
-    (~19 µs of host time on an H100 host; a MinkUNet training step makes ~170 launches). Here a
-    key at least as fine as Triton's (each tensor's dtype and 16-byte alignment, each integer's
-    properties Triton specialises on, the options) maps to the compiled kernel Triton's launch
-    returned the first time, which is then launched directly. Any other case (the interpreter, a
-    Triton without this calling convention) goes through Triton's launch every time.
-    """
-    _launch(kernel, grid, args, options, tuple(map(_specialisation, args)))
-
-
-def _launch(kernel, grid: tuple[int, ...], args: Sequence, options: Mapping, specs: tuple) -> tuple | None:
-    """:func:`launch` given the arguments' specialisations; returns (compiled kernel, names of the
-    parameters given as options) where direct launches apply, else None."""
-    # The first argument's device, as a device index is cheaper to read there than current_device().
-    key = (kernel, args[0].get_device(), *specs, *options.items())
-    held = _COMPILED.get(key)
-    if held is None:
-        compiled = kernel[grid](*args, **options)
-        trailing = tuple(kernel.arg_names[len(args):]) if hasattr(kernel, "arg_names") else None
-        if not (_direct_launches() and hasattr(compiled, "packed_metadata") and trailing is not None
-                and all(name in options for name in trailing)):
-            return None
-        held = _COMPILED[key] = (compiled, trailing)
-        return held
-    compiled, trailing = held
-    compiled[grid + (1,) * (3 - len(grid))](*args, *[options[name] for name in trailing])
-    return held
-
-
-_COMPILED: dict[tuple, tuple] = {}
-"""launch key -> (Triton's compiled kernel, the names of its parameters given as options)."""
-
-
-class Bound:
-    """One launch of ``kernel`` whose arguments are fixed but for the tensors at positions
-    ``varying``, given to each call (a product's operands and output; the map's views, sizes and
-    options stay). A call costs the host the compiled kernel's own launch (~9 µs on an H100 host)
-    and a look at the given tensors' dtypes and alignment; a first call, the key of the varying
-    ones only (the fixed ones' specialisations are taken once, here), so a new map's products find
-    the kernels compiled for the last map's without Triton's launch."""
-
-    # Slots: a step makes ~80 of these, each instance dict another object for Python's collector.
-    __slots__ = ("grid", "kernel", "args", "options", "varying", "_specs", "_runners")
-
-    def __init__(self, kernel, grid: tuple[int, ...], args: Sequence, options: Mapping, varying: Sequence[int]):
-        # three dimensions, as a compiled kernel's launcher takes them (Triton's launch too)
-        self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.kernel, self.args, self.options = kernel, list(args), options
-        self.varying = tuple(varying)
-        self._specs = [None if at in self.varying else _specialisation(arg) for at, arg in enumerate(self.args)]
-        self._runners: dict[tuple, tuple[Callable, tuple]] = {}
-
-    def __call__(self, *tensors: torch.Tensor) -> None:
-        args = self.args.copy()
-        for at, tensor in zip(self.varying, tensors):
-            args[at] = tensor
-        form = tuple((tensor.dtype, tensor.data_ptr() % 16 == 0) for tensor in tensors)
-        runner = self._runners.get(form)
-        if runner is not None:
-            run, tail = runner
-            run(*args, *tail)
-            return
-        specs = self._specs.copy()
-        for at, tensor in zip(self.varying, tensors):
-            specs[at] = _specialisation(tensor)
-        held = _launch(self.kernel, self.grid, args, self.options, tuple(specs))
-        if held is not None:
-            compiled, trailing = held
-            # (the launcher, the options it takes after the arguments): no closure per bound launch
-            self._runners[form] = (compiled[self.grid], tuple(self.options[name] for name in trailing))
-
-
-def _specialisation(arg):
-    """What of a launch argument can select another binary: finer than Triton's key, never coarser
-    (a tensor's dtype and 16-byte alignment; an integer's being 1, its divisibility by 16 and its
-    width; a constant's value)."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool) or arg is None:
-        return arg
-    if isinstance(arg, int):
-        return arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg >= 2**63
-    if isinstance(arg, float):
-        return float
-    return arg
-
-
-@functools.cache
-def _direct_launches() -> bool:
-    """Whether a compiled kernel takes every parameter in signature order, constants included
-    (Triton 3.3 on; 3.2 took only the others), and the interpreter is off."""
-    import triton
-
-    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
-    return (major, minor) >= (3, 3) and not config.triton_interpret()
-
-
 def unsupported(problem) -> str | None:
     """Why the Triton backends cannot run ``problem``, or None."""
     if problem.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -511,18 +410,3 @@ def precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     return "ieee" if dtype == torch.float64 else "tf32"
-
-
-def warm(kernel, device: torch.device, *args, **options) -> None:
-    """Compile ``kernel`` for a launch with ``args`` and ``options`` without running it: pointer
-    arguments are given as their torch dtype (Triton assumes them 16-byte aligned, as torch's
-    allocations are), integers as the launch's values, which Triton specialises on. Thread-safe."""
-    with torch.cuda.device(device):  # Triton compiles for the current device of the calling thread
-        caches = getattr(kernel, "device_caches", None)
-        if caches is not None:
-            with _LOCK:
-                # A JITFunction makes its per-device kernel cache on first use, unlocked: threads
-                # racing there each made one and kept only theirs, and the kernels compiled into
-                # the others were compiled again at launch (H100, 2026-11-25).
-                caches[torch.cuda.current_device()]
-        kernel.warmup(*args, grid=(1,), **options)
