@@ -26,8 +26,9 @@ from .registry import Backend, always_deterministic, register
 
 
 def new_output(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """The kernel writes every element (tests poison this buffer to prove it)."""
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
+    """The kernel writes every element (tests poison this buffer to prove it). ``new_empty``: ~2 µs
+    less host time than ``torch.empty`` with the dtype and device given (H200 host)."""
+    return like.new_empty(shape)
 
 
 def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_dim: int, out_dim: int,

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ... import config
+from .cuda_launch import current_stream
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **options):
@@ -90,8 +91,7 @@ def _hook_owner():
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
-                          lambda device: torch.cuda.current_stream(device).cuda_stream)
+_current_stream = current_stream
 
 
 class Bound:
