@@ -29,12 +29,28 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
     channels_argument = "num_features"
 
     def forward(self, input: SparseTensor) -> SparseTensor:
-        if self.training or torch.is_grad_enabled() or self.running_mean is None or self.running_var is None:
+        if self.training:
+            return self._train(input)
+        if torch.is_grad_enabled() or self.running_mean is None or self.running_var is None:
             return super().forward(input)
         feats = features_of(input, self)
         check_channels(self, feats, self.channels_argument)
         scale, shift = self._affine(feats.dtype)
         return input.replace(torch.addcmul(shift, feats, scale))
+
+    def _train(self, input: SparseTensor) -> SparseTensor:
+        """Training with running statistics at a set momentum (the usual case): what torch's
+        forward does there, the count, then ``torch.batch_norm`` with batch statistics, without
+        the checks and branches of its two Python layers (~20 us of host time a call on an H200
+        host; a MinkUNet training step makes 49). Anything else goes through torch's forward."""
+        feats = features_of(input, self)
+        check_channels(self, feats, self.channels_argument)
+        if not (self.track_running_stats and self.momentum is not None and self.num_batches_tracked is not None
+                and feats.dim() == 2 and feats.shape[0] > 1):
+            return input.replace(nn.BatchNorm1d.forward(self, feats))
+        self.num_batches_tracked.add_(1)
+        return input.replace(torch.batch_norm(feats, self.weight, self.bias, self.running_mean, self.running_var,
+                                              True, self.momentum, self.eps, torch.backends.cudnn.enabled))
 
     def _affine(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, shift) of the running statistics and affine parameters, computed in at least

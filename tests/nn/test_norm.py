@@ -86,6 +86,32 @@ def test_batch_norm_and_sync_batch_norm_equal_batchnorm1d_over_all_voxels():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_batch_norm_training_steps_equal_batchnorm1d(device, momentum):
+    # Outputs, gradients, running statistics and the batch count after several training steps,
+    # with a set momentum (ours calls torch.batch_norm itself) and a cumulative average (torch's forward).
+    ours = _randomise_affine(BatchNorm(8, momentum=momentum, device=device, dtype=torch.float64))
+    theirs = torch.nn.BatchNorm1d(8, momentum=momentum, device=device, dtype=torch.float64)
+    theirs.load_state_dict(ours.state_dict())
+    for _ in range(3):
+        x = _batch(device)
+        feats = x.feats.clone().requires_grad_()
+        expected = theirs(feats)
+        got = ours(x.replace(x.feats.clone().requires_grad_()))
+        torch.testing.assert_close(got.feats, expected)
+        grad = torch.randn_like(expected)
+        expected.backward(grad)
+        got.feats.backward(grad)
+    for name, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], value, msg=name)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+    torch.testing.assert_close(ours.bias.grad, theirs.bias.grad)
+    x = _batch(device)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        ours(SparseTensor(x.coords[:1], x.feats[:1]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 def test_batch_norm_inference_equals_batchnorm1d_and_follows_changed_statistics(device, dtype):
     x = _batch(device)
