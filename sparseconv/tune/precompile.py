@@ -13,6 +13,7 @@ of its time in MLIR/LLVM passes and ptxas, and nvcc is a subprocess, so threads 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import pickle
@@ -197,6 +198,43 @@ MAX_WORKERS = 4
 """Each worker's compiler loads its kernels, which holds a CUDA context (~0.5 GB on an H100)
 while it lives: 4 workers at most, gone IDLE_S after the last job."""
 IDLE_S = 5.0
+
+
+class ChoiceCompiles:
+    """The tuner's background compiles: per memo (a product's decided choice, or the candidates a
+    sweep is about to time), the jobs compiling its candidates' kernels in :class:`Background`."""
+
+    def __init__(self) -> None:
+        self.background = Background()
+        self._waiting: dict[tuple, list] = {}  # memo -> its background compile jobs
+
+    def queue(self, memo: tuple, namespace: str, problem: ConvProblem, candidates: Sequence[Candidate],
+              kernel_map: KernelMap) -> bool:
+        """Whether some of ``candidates``' kernels still compile (the first call queues them)."""
+        shape = MapShape.of(kernel_map)
+        # Unless the backend says what its hook compiles: the problem but for its row counts (no
+        # kernel specialises on them), so layers differing only in size share one job.
+        sizeless = (namespace, dataclasses.replace(problem, num_in=0, num_out=0), shape._replace(num_in=0, num_out=0))
+        waiting = []
+        for candidate in candidates:
+            backend = registry.get(candidate.backend)
+            if backend.precompile is None:
+                continue
+            job, params = (memo, candidate.id), dict(candidate.params_dict)
+            compiles = (candidate.id, *sizeless) if backend.compiles is None else backend.compiles(namespace, problem,
+                                                                                                 params)
+            if not self.background.ready(job, backend.precompile, (namespace, problem, params, shape), compiles):
+                waiting.append(job)
+        if waiting:
+            self._waiting[memo] = waiting
+        else:
+            self._waiting.pop(memo, None)
+        return bool(waiting)
+
+    def pending(self, memo: tuple) -> bool:
+        """Whether a compile that ``memo`` waits for is still queued or running."""
+        jobs = self._waiting.get(memo)
+        return jobs is not None and any(self.background.pending(job) for job in jobs)
 
 
 def _spawn_worker() -> subprocess.Popen:

@@ -9,7 +9,6 @@ the other ranks, remembers the choice for the process and stores every timing.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import threading
@@ -31,7 +30,7 @@ from .distributed import agree, claim
 from .guard import check_output
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
-from .precompile import Background, MapShape, precompile
+from .precompile import ChoiceCompiles, precompile
 from .timing import CLOSE, Timer, TooSlow
 
 logger = logging.getLogger("sparseconv.tune")
@@ -44,8 +43,7 @@ class Tuner:
         self._choices: dict[tuple, tuple[Candidate, registry.Backend]] = {}
         self._lock = threading.Lock()
         self._reported: set[str] = set()  # candidates whose failure was logged as a warning
-        self._background = Background()  # no worker until a first choice compiles there
-        self._waiting: dict[tuple, list] = {}  # memo -> its background compile jobs
+        self._compiles = ChoiceCompiles()  # no worker until a first choice compiles there
 
     @property
     def cache(self) -> TuneCache:
@@ -150,42 +148,22 @@ class Tuner:
         or those a sweep is about to time) compile in worker processes, queued by the first such
         call: on a GPU, unless deterministic (which kernel runs would depend on compile times),
         tracing or capturing a CUDA graph (the reference would be recorded), or switched off."""
-        if not _in_background(a, deterministic):
-            return False
-        shape = MapShape.of(kernel_map)
-        # Unless the backend says what its hook compiles: the problem but for its row counts (no
-        # kernel specialises on them), so layers differing only in size share one job.
-        sizeless = (namespace, dataclasses.replace(problem, num_in=0, num_out=0), shape._replace(num_in=0, num_out=0))
-        waiting = []
-        for candidate in candidates:
-            backend = registry.get(candidate.backend)
-            if backend.precompile is None:
-                continue
-            job, params = (memo, candidate.id), dict(candidate.params_dict)
-            compiles = (candidate.id, *sizeless) if backend.compiles is None else backend.compiles(namespace, problem,
-                                                                                                 params)
-            if not self._background.ready(job, backend.precompile, (namespace, problem, params, shape), compiles):
-                waiting.append(job)
-        if waiting:
-            self._waiting[memo] = waiting
-        else:
-            self._waiting.pop(memo, None)
-        return bool(waiting)
+        return _in_background(a, deterministic) and self._compiles.queue(memo, namespace, problem, candidates,
+                                                                         kernel_map)
 
     def _compiling_for(self, memo: tuple) -> bool:
         """Whether a background compile that ``memo``'s choice or sweep waits for is still running."""
-        jobs = self._waiting.get(memo)
-        return jobs is not None and any(self._background.pending(job) for job in jobs)
+        return self._compiles.pending(memo)
 
     def wait_for_compiles(self, timeout: float | None = None) -> bool:
         """Wait for the background compiles queued so far (see :meth:`_compile_later`); False if
         ``timeout`` seconds passed first. The next call of each such layer then runs its choice."""
-        return self._background.wait(timeout)
+        return self._compiles.background.wait(timeout)
 
     def compiling(self) -> int:
         """How many products ran the reference because their kernels were compiling in the
         background and have not run their choice since (0: none; see :meth:`wait_for_compiles`)."""
-        return self._background.queued()
+        return self._compiles.background.queued()
 
     def _decide(
         self,
