@@ -41,8 +41,9 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
     def _train(self, input: SparseTensor) -> SparseTensor:
         """Training with running statistics at a set momentum (the usual case): what torch's
         forward does there, the count, then ``torch.batch_norm`` with batch statistics, without
-        the checks and branches of its two Python layers (~20 us of host time a call on an H200
-        host; a MinkUNet training step makes 49). Anything else goes through torch's forward."""
+        the checks and branches of its two Python layers (``_BatchNorm.forward``'s own time alone:
+        0.84 ms of a MinkUNet training step's 49 calls in a py-spy profile on an H200 host).
+        Anything else goes through torch's forward."""
         feats = features_of(input, self)
         check_channels(self, feats, self.channels_argument)
         if not (self.track_running_stats and self.momentum is not None and self.num_batches_tracked is not None

@@ -55,7 +55,7 @@ def run(compiled, grid: tuple[int, int, int], args: Sequence) -> None:
     Its launcher is called as Triton's own runner calls it, on torch's current stream, but
     without the runner's per-launch work for launch hooks (the current device and stream looked
     up through Triton's driver, the launch metadata built, the hook chains called before and
-    after): ~8 µs a launch on an H200 host, ~1.5 ms of a MinkUNet training step. With a hook
+    after): 12.0 µs a launch instead of 15.2 on an H200 host (a training step makes ~170). With a hook
     installed the launch goes through the runner, so the hook sees every launch."""
     if _hooks_installed():
         compiled[grid](*args)
