@@ -15,6 +15,7 @@ from sparse_reference import relative_error
 from sparseconv.coords import KernelMapKey
 from sparseconv.coords import kernel_map as kernel_map_module
 from sparseconv.ops.backends import explicit, get, implicit_triton, mask_triton, mask_views
+from sparseconv.ops.backends.triton_launch import Bound
 from sparseconv.ops.problem import ConvProblem
 
 CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2", "transposed_k3_s2",
@@ -303,6 +304,41 @@ def test_submanifold_dgrad_runs_over_the_forward_plan_with_mirrored_weights(devi
         assert own and all(not forward for _, forward, *_ in own) and "transposed_neighbors" in kernel_map.__dict__
     else:
         assert not own and "transposed_neighbors" not in kernel_map.__dict__
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", [m for m in CASES if m.name in ("submanifold_k3", "transposed_k3_s2")], ids=str)
+def test_a_new_map_binds_its_views_into_the_first_maps_launches(device, mode, monkeypatch, poisoned_outputs):
+    # A new batch's map (other coordinates, sizes and views) makes no launches of its own for a
+    # product made on an earlier map under the same recipe: it binds its views into that product's
+    # template, which holds no tensors; forward, dgrad (own table or mirrored) and wgrad equal the
+    # reference on every map.
+    monkeypatch.setattr(mask_triton, "_TEMPLATES", {})
+    monkeypatch.setattr(implicit_triton, "_TEMPLATES", {})
+    made = []
+    for module in (mask_triton, implicit_triton):
+        monkeypatch.setattr(module, "Bound", lambda *args, _made=made, **kw: _made.append(args[0]) or Bound(*args, **kw))
+    c_in, c_out, dtype = 6, 9, torch.float32
+    rows = {"params": {**mask_triton._params(0, True, 3), "block_m": 16 if device == "cpu" else 64},
+            "wgrad": implicit_triton._wgrad_params(0, 4)}
+    for batch, n in enumerate((60, 45, 70) if device == "cpu" else (4000, 3000, 5000)):
+        x, kernel_map = _input_and_map(mode, c_in, device, dtype, n=n, extent=6 if device == "cpu" else 30)
+        weight = torch.randn(kernel_map.kernel_volume, c_in, c_out, device=device, dtype=dtype)
+        grad_out = torch.randn(kernel_map.num_out, c_out, device=device, dtype=dtype)
+        problem = _problem(x, kernel_map, c_in, c_out, dtype, mode)
+        for namespace, backend, params, a, b in (
+                ("AB_gather_scatter", mask_triton, rows["params"], x.feats, weight),
+                ("ABt_gather_scatter", mask_triton, rows["params"], grad_out, weight),
+                ("AtB_gather_gather", implicit_triton, rows["wgrad"], x.feats, grad_out)):
+            before = len(made)
+            prepare = backend.prepare if backend is mask_triton else backend.prepare_wgrad
+            out = prepare(namespace, problem, params, kernel_map)(a, b)
+            ref = explicit.run(namespace, problem, {}, a.double(), b.double(), kernel_map)
+            assert bool(torch.isfinite(out).all()) and relative_error(out, ref) < TOLERANCE[dtype], f"{namespace} {batch}"
+            assert (len(made) > before) == (batch == 0), f"{namespace} {batch}: launches made anew"
+    held = [launch for product in mask_triton._TEMPLATES.values() for launch in product.launches]
+    held += list(implicit_triton._TEMPLATES.values())
+    assert held and not any(isinstance(arg, torch.Tensor) for launch in held for arg in launch.args)
 
 
 def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):

@@ -157,6 +157,30 @@ def test_a_new_bound_launch_finds_the_kernel_compiled_for_an_earlier_one(direct)
     assert kernel.launches[1][1] == (7, 1, 1) and kernel.launches[1][2][2] == 112
 
 
+def test_a_template_bound_to_another_map_s_views_keeps_the_compiled_kernel(direct):
+    """A product's launch for a new map (other views, sizes and grid) is the template of the first
+    map's bound to them: it holds none of the first map's tensors, launches the kernel compiled for
+    the first directly while the new arguments specialise alike, and goes through Triton otherwise."""
+    kernel = Kernel()
+    kernel.arg_names = ["a_ptr", "view_ptr", "rows", "out_ptr", "BLOCK"]
+    a, out, first_view = torch.zeros(64), torch.zeros(64), torch.zeros(8)
+    first = tk.Bound(kernel, (2,), [None, first_view, 96, None], {"BLOCK": 32}, varying=(0, 3))
+    first(a, out)
+    template = first.template((1,))
+    assert template.args == [None, None, 96, None] and first.args[1] is first_view
+    view = torch.zeros(12)
+    bound = template.bind((7,), {1: view, 2: 112})
+    bound(a, out)
+    assert ways(kernel) == ["triton", "direct"]
+    assert kernel.launches[1][1:] == ((7, 1, 1), (a, view, 112, out, 32))
+    assert template.args == [None, None, 96, None] and bound.args == [None, view, 112, None]
+    template.bind((7,), {1: view, 2: 100})(a, out)  # 100 is not divisible by 16: another binary
+    template.bind((7,), {1: torch.zeros(12, dtype=torch.float64), 2: 112})(a, out)  # another dtype
+    template.bind((3,), {1: torch.zeros(16)[1:], 2: 112})(a, out)  # unaligned
+    template.bind((3,), {1: torch.zeros(16), 2: 128})(a, out)
+    assert ways(kernel) == ["triton", "direct", "triton", "triton", "triton", "direct"]
+
+
 class Chain:
     def __init__(self, calls: list) -> None:
         self.calls = calls

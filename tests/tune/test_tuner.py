@@ -288,9 +288,10 @@ def _prepared(calls: Calls, fail: list) -> Backend:
 
 
 def test_a_settled_choice_runs_its_prepared_call_until_the_settings_or_backend_change(monkeypatch):
-    """A layer's second call on a map goes to the prepared call kept with the map (no run); another
-    setting picks again (and the kept entry serves once it is back); a re-registered backend, or a
-    prepared call that raises, goes through run again, with the right result each time."""
+    """A layer's first call on a map prepares its call and makes it (no run), and its later calls go
+    to the prepared call kept with the map; another setting picks again (and the kept entry serves
+    once it is back); a re-registered backend prepares anew; a prepared call that raises goes
+    through run (the failing preparation is not kept), with the right result each time."""
     calls, fail = Calls(), []
     x = make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float64, n=200)
     weight = torch.randn(27, 4, 5, dtype=torch.float64)
@@ -305,19 +306,22 @@ def test_a_settled_choice_runs_its_prepared_call_until_the_settings_or_backend_c
     monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "fake_prepared")
     with registered(_prepared(calls, fail)):
         forward("fake_prepared")
-        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (1, 1, 0)
+        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (0, 1, 1)
         forward("fake_prepared")
         forward("fake_prepared")
-        assert (calls.of("run"), calls.of("prepared")) == (1, 2)
+        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (0, 1, 3)
         monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "explicit_gemm")
         forward("explicit_gemm")
         monkeypatch.setenv("SPARSECONV_FWD_ALGO_MODE", "fake_prepared")
         forward("fake_prepared")
-        assert (calls.of("run"), calls.of("prepared")) == (1, 3)
+        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (0, 1, 4)
         fail.append(True)
-        forward("fake_prepared")  # the prepared call raises: run instead, and a new preparation
-        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (2, 2, 4)
+        forward("fake_prepared")  # the kept call raises, and so does a new preparation's: run instead
+        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (1, 2, 6)
         fail.clear()
+        forward("fake_prepared")  # nothing was kept: prepared again, and kept
+        forward("fake_prepared")
+        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (1, 3, 8)
     with registered(_prepared(calls, fail)):  # another backend object under the name
         forward("fake_prepared")
-        assert (calls.of("run"), calls.of("prepare")) == (3, 3)
+        assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (1, 4, 9)

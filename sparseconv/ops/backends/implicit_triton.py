@@ -89,24 +89,39 @@ def prepare_wgrad(namespace: str, problem: ConvProblem, params: Mapping, kernel_
 
 def _prepared_wgrad(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
     key = ("wgrad_product", c_in, c_out, dtype, tuple(params.items()))
-    return kernel_map.derived(key, lambda m: _wgrad_product(m, params, c_in, c_out, dtype))
+    return kernel_map.derived(key, lambda m: _wgrad_product(m, params, c_in, c_out, dtype, key))
 
 
-def _wgrad_product(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
+def _wgrad_product(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype,
+                   recipe: tuple = ()):
     """dW (K, C_in, C_out) as a function of (a, b), everything else fixed once per (map, parameters).
     Split, the splits add into the stream's zeroed fp32 sums and the last split of each tile stores
     its sum in a's dtype (:func:`split_sums`); unsplit, each program stores its own. One launch
-    either way: no zero fill, no cast pass."""
+    either way: no zero fill, no cast pass. ``recipe``: as mask_triton's (the product's view key on
+    the map): a new batch's map binds its pair lists into the launch last made under it."""
     volume, bound, split, tiles = kernel_map.kernel_volume, None, int(params["split"]), 0
     if kernel_map.num_pairs and c_in and c_out:
-        kernels = tk.kernels()
         in_idx, out_idx, offset_ptr = kernel_map.pairs
-        args, options = _wgrad_launch(c_in, c_out, dtype, params, None, None, in_idx, out_idx, offset_ptr, None,
-                                      None, None)
-        tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
-        bound = Bound(kernels.pairs_wgrad, (volume, tiles, split), args, options, varying=(0, 1, 5, 6, 7))
+        recipe = (*recipe, volume, in_idx.device) if recipe else ()
+        template = _TEMPLATES.get(recipe) if recipe else None
+        if template is not None:
+            bound = template.bind(template.grid, {2: in_idx, 3: out_idx, 4: offset_ptr})
+            tiles = template.grid[1]
+        else:
+            kernels = tk.kernels()
+            args, options = _wgrad_launch(c_in, c_out, dtype, params, None, None, in_idx, out_idx, offset_ptr, None,
+                                          None, None)
+            tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
+            bound = Bound(kernels.pairs_wgrad, (volume, tiles, split), args, options, varying=(0, 1, 5, 6, 7))
+            if recipe:
+                _TEMPLATES[recipe] = bound.template((2, 3, 4))
 
     return _WgradProduct(bound, (volume, c_in, c_out), split > 1, volume * tiles)
+
+
+_TEMPLATES: dict[tuple, Bound] = {}
+"""The first wgrad launch made under each recipe, without the map's pair lists (see
+mask_triton's templates)."""
 
 
 class _WgradProduct:

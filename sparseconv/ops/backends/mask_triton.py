@@ -32,13 +32,16 @@ def new_output(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_dim: int, out_dim: int,
-                  strides: tuple[int, int, int], dtype: torch.dtype, mirrored: bool = False
+                  strides: tuple[int, int, int], dtype: torch.dtype, mirrored: bool = False, recipe: tuple = ()
                   ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The product as a function of (a, w): one launch per offset group, the first storing every
     row, the later ones adding theirs (rows are re-sorted per group, so each group's tiles are dense
     in the offsets they visit). Everything but the operands and the output (views, grid, sizes,
     options) is fixed here, once per (map, product, parameters): the layers on one map call it.
-    ``mirrored``: a submanifold dgrad over the forward views, offset k reading W_{K-1-k} (:func:`_mirrored`)."""
+    ``mirrored``: a submanifold dgrad over the forward views, offset k reading W_{K-1-k} (:func:`_mirrored`).
+    ``recipe``: what fixes the launches but for the map's views and sizes (the product's view key on
+    the map, whose ``kernel_map`` and direction): a new batch's map binds its views into the last
+    product made under it (:data:`_TEMPLATES`) instead of making the launches anew."""
     kernels = tk.kernels()
     table = product_table(kernel_map, forward)
     num_rows = table.shape[0]
@@ -47,17 +50,34 @@ def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_
     groups = offset_groups(table.shape[1], int(params.get("splits", 1)))
     if mirrored:
         groups = _mirror(groups, table.shape[1])
+    if recipe:
+        recipe = (*recipe, forward, mirrored, table.shape[1], table.device)
+    template = _TEMPLATES.get(recipe) if recipe else None
     launches = []
     if num_rows and out_dim:
         for step, group in enumerate(groups):
             rows = sorted_rows(kernel_map, forward, sort, group, groups)
             _, offsets, counts, slots = tile_plan(kernel_map, forward, sort, bm, group)
             grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
+            if template is not None:
+                launches.append(template.launches[step].bind(grid, {2: slots, 3: rows, 4: offsets, 5: counts,
+                                                                     7: num_rows}))
+                continue
             args, options = _rows_launch(params, dtype, step, (None, None, slots, rows, offsets, counts, None),
                                          num_rows, reduce_dim, out_dim, offsets.shape[1], strides)
             launches.append(Bound(kernels.rows_gemm, grid, args, options, varying=(0, 1, 6)))
+    last = table.shape[1] - 1 if mirrored else None
+    if recipe and template is None and launches:
+        _TEMPLATES[recipe] = _RowsProduct(0, out_dim, tuple(launch.template(_VIEWS) for launch in launches), last)
+    return _RowsProduct(num_rows, out_dim, tuple(launches), last)
 
-    return _RowsProduct(num_rows, out_dim, tuple(launches), table.shape[1] - 1 if mirrored else None)
+
+_TEMPLATES: dict[tuple, _RowsProduct] = {}
+"""The first product made under each recipe (see :func:`_rows_product`), its launches without the
+map's views: a network makes a few dozen, one per (layer shape, product, parameters, direction)."""
+
+_VIEWS = (2, 3, 4, 5)
+"""The positions of the map's views (slots, rows, offsets, counts) in rows_gemm's arguments."""
 
 
 class _RowsProduct:
@@ -129,10 +149,11 @@ def prepare(namespace: str, problem: ConvProblem, params: Mapping, kernel_map: K
 
 def _prepared(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
     key = ("rows_product", namespace, c_in, c_out, dtype, tuple(params.items()))
-    return kernel_map.derived(key, lambda m: _product_of(m, namespace, params, c_in, c_out, dtype))
+    return kernel_map.derived(key, lambda m: _product_of(m, namespace, params, c_in, c_out, dtype, key))
 
 
-def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
+def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype,
+                recipe: tuple = ()):
     forward, reduce_dim, out_dim, strides = _product(namespace, c_in, c_out)
     if not forward and kernel_map.identity_offset is None:
         # The transposed table is the adjoint's forward table (see sorted_rows): run on the adjoint.
@@ -141,8 +162,8 @@ def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: in
         kernel_map, forward = kernel_map.transposed(), True
     elif not forward and _mirrored(kernel_map, params):
         return _rows_product(kernel_map, True, params, reduce_dim, out_dim, (-strides[0], *strides[1:]), dtype,
-                             mirrored=True)
-    return _rows_product(kernel_map, forward, params, reduce_dim, out_dim, strides, dtype)
+                             mirrored=True, recipe=recipe)
+    return _rows_product(kernel_map, forward, params, reduce_dim, out_dim, strides, dtype, recipe=recipe)
 
 
 def _mirrored(kernel_map: KernelMap, params: Mapping) -> bool:

@@ -132,6 +132,37 @@ class Bound:
             # (the compiled kernel, the options it takes after the arguments): no closure per bound launch
             self._runners[form] = (compiled, tuple(self.options[name] for name in trailing))
 
+    def template(self, positions: Sequence[int]) -> Bound:
+        """This launch without its arguments at ``positions`` (a map's views): what :meth:`bind` fills
+        in for another map. It keeps their specialisations and shares the kernels compiled so far,
+        but holds none of the tensors (a template outlives the batch whose views it was made from)."""
+        held = self._copy(self.grid)
+        for at in positions:
+            held.args[at] = None
+        return held
+
+    def bind(self, grid: tuple[int, ...], changes: Mapping[int, object]) -> Bound:
+        """This launch on ``grid`` with the arguments at ``changes``' positions replaced (another map's
+        views and sizes). It shares the compiled kernels found so far while every new argument
+        specialises as the one it replaces did (the same dtype and alignment, an integer's same
+        divisibility), and starts without them otherwise."""
+        bound = self._copy(tuple(grid) + (1,) * (3 - len(grid)))
+        same = True
+        for at, arg in changes.items():
+            bound.args[at] = arg
+            spec = _specialisation(arg)
+            if spec != bound._specs[at]:
+                bound._specs[at], same = spec, False
+        if not same:
+            bound._runners = {}
+        return bound
+
+    def _copy(self, grid: tuple[int, int, int]) -> Bound:
+        copy = Bound.__new__(Bound)
+        copy.grid, copy.kernel, copy.args, copy.options = grid, self.kernel, self.args.copy(), self.options
+        copy.varying, copy._specs, copy._runners = self.varying, self._specs.copy(), self._runners
+        return copy
+
 
 def _specialisation(arg):
     """What of a launch argument can select another binary: finer than Triton's key, never coarser
