@@ -195,13 +195,14 @@ class KernelMap:
     def derived(self, key: Hashable, build: Callable[[KernelMap], V]) -> V:
         """A backend's own view of this map (e.g. padded groups), built on first use and kept with the
         map; a view :meth:`offer` holds is taken instead of building it."""
-        if key not in self._derived:
+        view = self._derived.get(key, _NONE)  # one lookup on the hot path (a step makes ~300)
+        if view is _NONE:
             offered = self.__dict__.get("_offered")
             view = offered.pop(key, _NONE) if offered else _NONE
-            self._derived[key] = build(self) if view is _NONE else view
+            view = self._derived[key] = build(self) if view is _NONE else view
             if self.on_view is not None:
                 self.on_view(key)
-        return self._derived[key]  # type: ignore[return-value]
+        return view  # type: ignore[return-value]
 
     def holds(self, key: Hashable) -> bool:
         """Whether :meth:`derived` gives ``key`` without building it (built already, or offered)."""

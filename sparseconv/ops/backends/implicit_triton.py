@@ -44,8 +44,8 @@ def run_gemm(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Ten
     if longest and out_dim:
         args, options = _gemm_launch(forward, w.shape[1], w.shape[2], a.dtype, single, params,
                                      a, w, gather, scatter, offset_ptr, out)
-        grid = (kernel_map.kernel_volume, kernels.triton.cdiv(longest, options["BLOCK_P"]),
-                kernels.triton.cdiv(out_dim, options["BLOCK_N"]))
+        grid = (kernel_map.kernel_volume, tk.cdiv(longest, options["BLOCK_P"]),
+                tk.cdiv(out_dim, options["BLOCK_N"]))
         launch(kernels.pairs_gemm, grid, *args, **options)
     return out.to(a.dtype)
 
@@ -111,7 +111,7 @@ def _wgrad_product(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int
             kernels = tk.kernels()
             args, options = _wgrad_launch(c_in, c_out, dtype, params, None, None, in_idx, out_idx, offset_ptr, None,
                                           None, None)
-            tiles = kernels.triton.cdiv(c_in, options["BLOCK_M"]) * kernels.triton.cdiv(c_out, options["BLOCK_N"])
+            tiles = tk.cdiv(c_in, options["BLOCK_M"]) * tk.cdiv(c_out, options["BLOCK_N"])
             bound = Bound(kernels.pairs_wgrad, (volume, tiles, split), args, options, varying=(0, 1, 5, 6, 7))
             if recipe:
                 _TEMPLATES[recipe] = bound.template((2, 3, 4))

@@ -58,7 +58,7 @@ def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_
         for step, group in enumerate(groups):
             rows = sorted_rows(kernel_map, forward, sort, group, groups)
             _, offsets, counts, slots = tile_plan(kernel_map, forward, sort, bm, group)
-            grid = (counts.numel() * kernels.triton.cdiv(out_dim, bn),)
+            grid = (counts.numel() * tk.cdiv(out_dim, bn),)
             if template is not None:
                 launches.append(template.launches[step].bind(grid, {2: slots, 3: rows, 4: offsets, 5: counts,
                                                                      7: num_rows}))

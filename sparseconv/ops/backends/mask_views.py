@@ -29,10 +29,11 @@ def product_table(kernel_map: KernelMap, forward: bool) -> torch.Tensor:
     return kernel_map.neighbors if forward else kernel_map.transposed_neighbors
 
 
-def offset_groups(kernel_volume: int, splits: int) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=256)
+def offset_groups(kernel_volume: int, splits: int) -> tuple[tuple[int, int], ...]:
     """``splits`` contiguous [start, stop) ranges of offsets, as even as possible (empty ones dropped)."""
     bounds = [round(i * kernel_volume / splits) for i in range(splits + 1)]
-    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    return tuple((lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo)
 
 
 def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[int, int] | None = None,
@@ -102,7 +103,7 @@ def fused_row_orders(table: torch.Tensor, groups: Sequence[tuple[int, int]], cou
     keys = torch.empty(parts * stride, dtype=_key_dtype(groups), device=table.device)
     kernels = tk.kernels()
     args, options = _masks_launch(table, counts, keys, rows, table.stride(0), stride, groups)
-    launch(kernels.row_masks, (kernels.triton.cdiv(stride, MASK_ROWS), parts), *args, **options)
+    launch(kernels.row_masks, (tk.cdiv(stride, MASK_ROWS), parts), *args, **options)
     order = torch.sort(keys, stable=True).indices
     if parts == 1:
         return [order]
@@ -209,7 +210,7 @@ def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch
     rows, volume = table.shape
     kernels, device = tk.kernels(), table.device
     width, block = _width(volume), _pair_block(volume)
-    blocks = max(1, kernels.triton.cdiv(rows, block))
+    blocks = max(1, tk.cdiv(rows, block))
     counts = torch.empty((blocks, width), dtype=torch.int32, device=device)
     total = kernel_map.num_pairs
     in_idx = torch.empty(total, dtype=torch.int64, device=device)

@@ -410,3 +410,10 @@ def precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     return "ieee" if dtype == torch.float64 else "tf32"
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grids on the host: ``triton.cdiv`` is a constexpr function in recent Triton
+    (3.9), whose call from Python goes through Triton's function wrapper (the launches of a new map's
+    products compute ~100 grids a step)."""
+    return -(-a // b)
