@@ -14,13 +14,19 @@ trains the benchmark MinkUNet (scripts/bench_network.py) on new coordinates ever
                     that have not run their choice yet, after the first step
   free GB           the GPU's free memory after the last step (background compile workers
                     must not hold GPU memory)
+  settled step ms   after those steps, once the background compiles are done (ours) and three
+                    more steps ran: median of ten steps, milliseconds
+  settled GPU ms    the kernels' time in one such step (torch.profiler): what the choices cost
+                    on the GPU, without the host's noise
 
 Configurations: ``ours`` (default: a decided layer runs the reference while its kernels compile
 in the background), ``ours_blocking`` (SPARSECONV_BACKGROUND_COMPILE=0: compile in the call),
-``naive`` (every product pinned to explicit_gemm), and the peers in --peers.
+``ours_full`` (the fully tuned reference: every candidate of every pool timed, compiled in the
+call, no shipped tunings), ``naive`` (every product pinned to explicit_gemm), and the peers in
+--peers.
 
     python scripts/bench_cold_start.py --scene street1 --dtype float16 --peers spconv
-    python scripts/bench_cold_start.py --device cpu --scale 0.05 --seconds 5 --peers   # dry run
+    python scripts/bench_cold_start.py --device cpu --dtype float32 --scale 0.05 --seconds 5 --peers   # dry run
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OURS = {"ours": {}, "ours_blocking": {"SPARSECONV_BACKGROUND_COMPILE": "0"}}
+OURS = {"ours": {}, "ours_blocking": {"SPARSECONV_BACKGROUND_COMPILE": "0"},
+        "ours_full": {"SPARSECONV_AUTOTUNE_EFFORT": "full", "SPARSECONV_BACKGROUND_COMPILE": "0",
+                      "SPARSECONV_SHIPPED_TUNINGS": "0"}}
 
 
 def child(args) -> None:
@@ -44,7 +52,7 @@ def child(args) -> None:
 
     sys.path.insert(0, HERE)
     from bench_layers import scene_coords
-    from bench_network import Runner, sync
+    from bench_network import Runner, gpu_ms, sync
 
     device = torch.device(args.device)
     name = "ours" if args.config in OURS else args.config
@@ -62,7 +70,20 @@ def child(args) -> None:
 
             pending = sparseconv.tune.get_tuner().compiling()
     free_gb = torch.cuda.mem_get_info(device)[0] / 2**30 if device.type == "cuda" else None
-    print(json.dumps({"setup_s": setup, "steps": steps, "pending": pending, "free_gb": free_gb}))
+    if name == "ours":
+        import sparseconv.tune
+
+        sparseconv.tune.wait_for_compiles(args.timeout / 4)
+    for _ in range(3):  # choices whose kernels compiled meanwhile run from here
+        runner.step()
+    settled = []
+    for _ in range(10):
+        begin = time.perf_counter()
+        runner.step()
+        sync(device)
+        settled.append(time.perf_counter() - begin)
+    print(json.dumps({"setup_s": setup, "steps": steps, "pending": pending, "free_gb": free_gb,
+                      "settled_ms": 1e3 * statistics.median(settled), "gpu_ms": gpu_ms(runner.step, device)}))
 
 
 def run_config(config: str, args) -> dict:
@@ -74,7 +95,10 @@ def run_config(config: str, args) -> dict:
         command = [sys.executable, os.path.abspath(__file__), "--child", config, "--scene", args.scene,
                    "--dtype", args.dtype, "--device", args.device, "--scale", str(args.scale),
                    "--seconds", str(args.seconds), "--steps", str(args.steps)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"no result within --timeout {args.timeout:g} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -87,7 +111,7 @@ def run_config(config: str, args) -> dict:
 
 def summary(result: dict, seconds: float) -> list[str]:
     if "error" in result:
-        return ["failed: " + result["error"], "", "", "", "", ""]
+        return ["failed: " + result["error"], "", "", "", "", "", "", ""]
     steps = result["steps"]
     steady = statistics.median(steps[-5:])
     settled = next(i for i in range(len(steps)) if all(s <= 1.25 * steady for s in steps[i + 1:]))
@@ -96,7 +120,8 @@ def summary(result: dict, seconds: float) -> list[str]:
     pending = result.get("pending")
     return [f"{steps[0]:.2f} s", f"{ends[settled]:.1f} s (step {settled + 1})", str(within), f"{1e3 * steady:.1f}",
             ("-" if pending is None else str(pending)) + (f" ({result['exit']})" if "exit" in result else ""),
-            "-" if result.get("free_gb") is None else f"{result['free_gb']:.1f}"]
+            "-" if result.get("free_gb") is None else f"{result['free_gb']:.1f}", f"{result['settled_ms']:.1f}",
+            result["gpu_ms"] if isinstance(result["gpu_ms"], str) else f"{result['gpu_ms']:.2f}"]
 
 
 def main() -> None:
@@ -120,7 +145,7 @@ def main() -> None:
     print(f"\nCold start, {args.scene} x{args.scale:g}, {args.dtype}, {args.device}, shipped tunings "
           f"{'on' if args.shipped else 'off'}, empty tuning and Triton caches, new coordinates every step")
     header = ["library", "first step", "steady after", f"steps in {args.seconds:g} s", "steady step ms",
-              "compiles left", "free GB"]
+              "compiles left", "free GB", "settled step ms", "settled GPU ms"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for config, cells in rows:
         print("| " + " | ".join([config, *cells]) + " |")
