@@ -1,6 +1,8 @@
 """config.product_settings: the tuner's per-call settings, parsed once per distinct environment but
 never stale (a variable set between two calls takes effect at the second)."""
 
+import os
+
 import pytest
 import torch
 
@@ -43,3 +45,22 @@ def test_a_bad_value_is_an_error_naming_the_variable_every_time(monkeypatch, var
     for _ in range(2):  # not remembered as a good value after the first error
         with pytest.raises(ValueError, match=variable):
             config.product_settings("AB_gather_scatter")
+
+
+def test_product_settings_read_variables_set_changed_and_unset_after_import(monkeypatch):
+    # The tuner's per-call read tells an unset variable from the environment's own mapping: set,
+    # changed, emptied and removed again at run time, each is read as os.environ has it.
+    name = "SPARSECONV_WGRAD_ALGO_MODE"
+    monkeypatch.delenv(name, raising=False)
+    assert config._getenv(name) == "" and config.product_settings("AtB_gather_gather")[0] is None
+    monkeypatch.setenv(name, "explicit_gemm")
+    assert config._getenv(name) == "explicit_gemm"
+    assert config.product_settings("AtB_gather_gather")[0] == "explicit_gemm"
+    monkeypatch.setenv(name, "[explicit_gemm,splitk_wgrad]")
+    assert config.product_settings("AtB_gather_gather")[0] == os.environ[name] == config._getenv(name)
+    monkeypatch.setenv(name, "")
+    assert config._getenv(name) == "" and config.product_settings("AtB_gather_gather")[0] is None
+    monkeypatch.delenv(name)
+    assert config._getenv(name) == "" and config.product_settings("AtB_gather_gather")[0] is None
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "full")
+    assert config.product_settings("AtB_gather_gather")[2] == "full"
