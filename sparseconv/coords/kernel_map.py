@@ -204,10 +204,6 @@ class KernelMap:
                 self.on_view(key)
         return view  # type: ignore[return-value]
 
-    def holds(self, key: Hashable) -> bool:
-        """Whether :meth:`derived` gives ``key`` without building it (built already, or offered)."""
-        return key in self._derived or key in self.__dict__.get("_offered", ())
-
     def offer(self, key: Hashable, view: object) -> None:
         """Hold ``view``, built ahead (several maps' views in one pass), for :meth:`derived` to take
         when a layer asks for ``key``; one never asked for is not reported to :attr:`on_view`."""

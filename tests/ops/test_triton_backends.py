@@ -283,9 +283,10 @@ def test_fused_tile_views_equal_the_torch_reference(device, mode_name, forward, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_submanifold_dgrad_runs_over_the_forward_plan_with_mirrored_weights(device, splits, poisoned_outputs):
-    # A submanifold map's dgrad takes the tile plans its forward built (offset k reading W_{K-1-k})
-    # where the forward holds the mirrored groups' plans (1 and 3 groups of 27 are symmetric, 2 are
-    # not: that dgrad builds its own), and equals the reference either way.
+    # A submanifold map's dgrad runs over forward views of the mirrored offset groups (offset k
+    # reading W_{K-1-k}): the forward's own plans where its groups are symmetric (1 and 3 groups of
+    # 27), forward-direction plans of the mirrored groups built for it where they are not (2 groups),
+    # never a transposed table; it equals the reference either way.
     mode = next(m for m in MODES if m.name == "submanifold_k3")
     c_in, c_out, dtype = 5, 7, torch.float32
     x, kernel_map = _input_and_map(mode, c_in, device, dtype, n=60 if device == "cpu" else 4000,
@@ -300,10 +301,10 @@ def test_submanifold_dgrad_runs_over_the_forward_plan_with_mirrored_weights(devi
     ref = explicit.run("ABt_gather_scatter", problem, {}, grad_out.double(), weight.double(), kernel_map)
     assert bool(torch.isfinite(out).all()) and relative_error(out, ref) < TOLERANCE[dtype]
     own = {key for key in kernel_map._derived if key[0] == "tile_plan"} - plans
-    if splits == 2:
-        assert own and all(not forward for _, forward, *_ in own) and "transposed_neighbors" in kernel_map.__dict__
-    else:
-        assert not own and "transposed_neighbors" not in kernel_map.__dict__
+    assert "transposed_neighbors" not in kernel_map.__dict__
+    assert all(forward for _, forward, *_ in own)
+    mirrored = {(27 - hi, 27 - lo) for lo, hi in mask_views.offset_groups(27, splits)}
+    assert {(lo, hi) for *_, lo, hi in own} == (mirrored if splits == 2 else set())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -38,7 +38,7 @@ def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_
     row, the later ones adding theirs (rows are re-sorted per group, so each group's tiles are dense
     in the offsets they visit). Everything but the operands and the output (views, grid, sizes,
     options) is fixed here, once per (map, product, parameters): the layers on one map call it.
-    ``mirrored``: a submanifold dgrad over the forward views, offset k reading W_{K-1-k} (:func:`_mirrored`).
+    ``mirrored``: a submanifold dgrad over the forward views, offset k reading W_{K-1-k} (see :func:`_product_of`).
     ``recipe``: what fixes the launches but for the map's views and sizes (the product's view key on
     the map, whose ``kernel_map`` and direction): a new batch's map binds its views into the last
     product made under it (:data:`_TEMPLATES`) instead of making the launches anew."""
@@ -160,26 +160,18 @@ def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: in
         # The product keeps the adjoint's views it launches with, not the adjoint (which refers to
         # this map: a cycle would keep both maps' tables until a full garbage collection).
         kernel_map, forward = kernel_map.transposed(), True
-    elif not forward and _mirrored(kernel_map, params):
+    elif not forward:
+        # A submanifold map's transposed table is its own with the offsets mirrored (row i meets row
+        # j through k exactly when j meets i through K-1-k), so dgrad, gin_i = sum_k gout[T_ik] W_k^T,
+        # is gin_i = sum_k gout[N_ik] W_{K-1-k}^T: the forward product over the forward views of the
+        # mirrored offset groups, offset k reading W_{K-1-k} (a pointer to W_{K-1} and a negative
+        # offset stride). Where the forward layers tuned to the same tile height and groups, those
+        # views are theirs; elsewhere they are built here, and the next batch's map plan builds
+        # them ahead with the forward's (no transposed table, at the cost of holding these plans
+        # through the forward pass: in the benchmark MinkUNet, those of four coarse maps).
         return _rows_product(kernel_map, True, params, reduce_dim, out_dim, (-strides[0], *strides[1:]), dtype,
                              mirrored=True, recipe=recipe)
     return _rows_product(kernel_map, forward, params, reduce_dim, out_dim, strides, dtype, recipe=recipe)
-
-
-def _mirrored(kernel_map: KernelMap, params: Mapping) -> bool:
-    """Whether a submanifold map's dgrad runs over the forward views its forward layers built already.
-
-    The transposed table of such a map is its own with the offsets mirrored (row i meets row j
-    through k exactly when j meets i through K-1-k), so dgrad, gin_i = sum_k gout[T_ik] W_k^T, is
-    gin_i = sum_k gout[N_ik] W_{K-1-k}^T: the forward tile plan of the mirrored offset groups, its
-    offset k reading W_{K-1-k} (a pointer to W_{K-1} and a negative offset stride). Taken where the
-    forward plan of those groups is held (the usual case: dgrad and forward tuned to the same tile
-    height and groups): no transposed table, row order or tile plan of its own. Elsewhere dgrad
-    builds its own (here in backward, not ahead in the map plan: forward keys would be planned
-    ahead, into the forward pass's memory peak)."""
-    volume, sort = kernel_map.kernel_volume, bool(params.get("sort", True))
-    groups = _mirror(offset_groups(volume, int(params.get("splits", 1))), volume)
-    return all(kernel_map.holds(("tile_plan", True, sort, int(params["block_m"]), lo, hi)) for lo, hi in groups)
 
 
 def _mirror(groups: list[tuple[int, int]], volume: int) -> list[tuple[int, int]]:
