@@ -14,7 +14,7 @@ from sparse_reference import relative_error
 
 from sparseconv.coords import KernelMapKey
 from sparseconv.coords import kernel_map as kernel_map_module
-from sparseconv.ops.backends import explicit, get, implicit_triton, mask_triton, mask_views
+from sparseconv.ops.backends import explicit, get, implicit_triton, mask_triton, mask_views, planned_views
 from sparseconv.ops.backends.triton_launch import Bound
 from sparseconv.ops.problem import ConvProblem
 
@@ -175,7 +175,7 @@ def test_pair_counts_of_several_maps_in_one_launch_are_each_maps_own(device):
     maps = [_input_and_map(mode, 2, device, torch.float32, n=n, extent=9 if device == "cpu" else 40)[1]
             for mode, n in ((CASES[0], 300), (next(m for m in MODES if m.name == "submanifold_k5"), 257),
                             (CASES[1], 411))]
-    counts, starts = mask_views.pair_counts(maps)
+    counts, starts = planned_views.pair_counts(maps)
     assert counts.dtype == torch.int64 and all(start % 2 == 0 for start in starts), "16-byte aligned starts"
     for kernel_map, start in zip(maps, starts):
         expected = (kernel_map.neighbors >= 0).sum(0)
@@ -344,7 +344,7 @@ def test_a_new_map_binds_its_views_into_the_first_maps_launches(device, mode, mo
 
 def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
     # The map plan builds the row orders the last batch's layers used on its maps, for all maps with
-    # one sort (mask_views.build_planned_orders); a layer then takes the order it would have built.
+    # one sort (planned_views.build_planned_orders); a layer then takes the order it would have built.
     from sparseconv import SparseTensor
     from sparseconv.coords import KernelMap
     from sparse_reference import random_coords
@@ -428,7 +428,8 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
     use(batch())
     launches = []
     original = mask_views.launch
-    monkeypatch.setattr(mask_views, "launch", lambda kernel, *a, **k: launches.append(kernel) or original(kernel, *a, **k))
+    for module in (mask_views, planned_views):  # the layers' launches and the plan's
+        monkeypatch.setattr(module, "launch", lambda kernel, *a, **k: launches.append(kernel) or original(kernel, *a, **k))
     x = batch()
     maps = {key: x.cache.kernel_map(key)[0] for key in (subm, down)}
     up = up_of(x)

@@ -271,7 +271,7 @@ def _define() -> SimpleNamespace:
     def row_masks_many(meta_ptr, out_ptr, entries, BLOCK: tl.constexpr, WIDTH: tl.constexpr, SHIFT: tl.constexpr):
         """row_masks of one offset group for several tables in one launch (the map plan's orders):
         the program's block is the entry's whose first block (meta field 0) it is at or past. Per
-        entry, 9 int64 (mask_views.build_planned_orders writes them): first block, table and count
+        entry, 9 int64 (planned_views.build_planned_orders writes them): first block, table and count
         addresses, rows, row stride, lo, width (its mask bits), where its keys start in out, their
         count (rows padded, the padding given the largest key); the entry's index is its tag."""
         meta, e, block = _entry(meta_ptr, entries, 9)
@@ -309,7 +309,7 @@ def _define() -> SimpleNamespace:
     def tile_plans(meta_ptr, out_ptr, plans, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
         """tile_plan for several (table, row order) pairs of one tile height in one launch: the
         program's tile is the plan's whose first tile (meta field 0) it is at or past. Per plan,
-        11 int64 (mask_views.build_planned_tile_plans writes them): first tile, table and order addresses, rows, row stride, lo, width, and
+        11 int64 (planned_views.build_planned_tile_plans writes them): first tile, table and order addresses, rows, row stride, lo, width, and
         where its lists, counts and slots (int32 units) and used flags (bytes) start in out."""
         meta, _, tile = _entry(meta_ptr, plans, 11)
         table_ptr, order_ptr, rows, row_stride, lo, width = _table_fields(meta)

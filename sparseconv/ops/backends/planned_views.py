@@ -1,0 +1,152 @@
+"""The map plan's view builders: the views the last batches' layers used on each map, built for all of
+a new batch's maps at once (:func:`sparseconv.coords.plan.add_view_builder`) and offered to them
+(:meth:`KernelMap.offer`), equal to what :mod:`.mask_views` builds for one layer: the forward row
+orders with one mask launch and one sort (:func:`build_planned_orders`), the forward tile plans with
+one launch per tile height (:func:`build_planned_tile_plans`, after the orders it reads), and every
+map's pairs per offset in one launch (:func:`pair_counts`). Registered with the plan on import
+(``sparseconv/ops/backends/__init__.py`` imports this module).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ...coords import plan
+from ...coords.kernel_map import KernelMap
+from . import triton_kernels as tk
+from .mask_views import (
+    MASK_ROWS, PLANNED_SHIFT, _pair_block, _plan_layout, _plan_views, _rows_key, _width, fused, product_table,
+    sorted_rows,
+)
+from .triton_launch import launch
+
+
+def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
+    """The plan's view builder (:func:`sparseconv.coords.plan.add_view_builder`): the forward row
+    orders (``mask_rows`` views) the last batches' layers used on each new map, built by ONE mask
+    launch and ONE sort for all (int64 keys, the order's index above its mask bits), where each
+    layer would have sorted on its own (~14 launches and ~85 µs of host time a sort on an H100
+    host; a mask launch per order until 2026-11-26, ~20 a street1 pass). Offered to the maps
+    (:meth:`KernelMap.offer`): a layer takes one only if its tuned choice asks for it. Equal to
+    what :func:`sorted_rows` builds."""
+    parts = []
+    for kernel_map, keys in wanted:
+        table = kernel_map.neighbors
+        if not (table.shape[0] and fused(table)):
+            continue
+        for key in keys:
+            if (isinstance(key, tuple) and len(key) == 4 and key == _rows_key(True, key[2], key[3])
+                    and 0 < key[3] - key[2] <= PLANNED_SHIFT):
+                parts.append((kernel_map, key))
+    if len(parts) < 2:
+        return  # one sort either way
+    # Each order's keys start 16-byte aligned, so each order (a slice of the sorted indices) does too.
+    sizes = [-(-m.neighbors.shape[0] // 2) * 2 for m, _ in parts]
+    bases = [0, *itertools.accumulate(sizes)]
+    device = parts[0][0].neighbors.device
+    keys = torch.empty(bases[-1], dtype=torch.int64, device=device)
+    # One launch for every order (tables and counts by address: the maps hold them, and the
+    # allocator reuses them only after this launch, in stream order), the entry's index its tag.
+    meta, first = [], 0
+    for (kernel_map, key), base, size in zip(parts, bases, sizes):
+        table = kernel_map.neighbors
+        meta.append([first, table.data_ptr(), kernel_map.offset_counts.data_ptr(), table.shape[0], table.stride(0),
+                     key[2], key[3] - key[2], base, size])
+        first += -(-size // MASK_ROWS)
+    kernels = tk.kernels()
+    meta_tensor = torch.tensor(meta, dtype=torch.int64).to(device, non_blocking=True)
+    launch(kernels.row_masks_many, (first,), meta_tensor, keys, len(parts), BLOCK=MASK_ROWS,
+              WIDTH=_width(max(key[3] - key[2] for _, key in parts)), SHIFT=PLANNED_SHIFT)
+    order = torch.sort(keys, stable=True).indices
+    starts = torch.tensor([bases[:-1], sizes], dtype=torch.int64).to(device, non_blocking=True)
+    order -= torch.repeat_interleave(starts[0], starts[1], output_size=bases[-1])
+    for (kernel_map, key), base in zip(parts, bases):
+        kernel_map.offer(key, order[base: base + kernel_map.neighbors.shape[0]])
+
+
+plan.add_view_builder(build_planned_orders)
+
+
+def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
+    """The plan's view builder for tile plans (after :func:`build_planned_orders`, whose orders they
+    read): every forward :func:`tile_plan` the last batches' layers used on the new maps, built by one
+    ``tile_plans`` launch per tile height into one buffer, where each layer made
+    a buffer and a launch of its own (~70 µs of host time each on an H100 host; a MinkUNet
+    training step builds ~29). Offered to the maps like the orders; equal to what tile_plan builds."""
+    parts: dict[int, list] = {}  # by tile height
+    for kernel_map, keys in wanted:
+        for key in keys:
+            if not (isinstance(key, tuple) and len(key) == 6 and key[0] == "tile_plan"):
+                continue
+            _, forward, sort, block_m, lo, hi = key
+            if not forward:
+                # A dgrad's plan (a strided map's is its adjoint's forward plan, which a transposed
+                # conv needs in the forward pass anyway) is left to backward: made here, it would add
+                # to the forward pass's memory peak (+0.46 GB of 3.6 on street4, H100), and an
+                # inference pass between training steps would make it for nothing.
+                continue
+            table = product_table(kernel_map, forward)
+            if not (table.shape[0] and fused(table) and table.dtype == torch.int32 and table.is_contiguous()):
+                continue
+            rows = sorted_rows(kernel_map, forward, sort, (lo, hi))
+            if rows.dtype != torch.int64:
+                continue
+            parts.setdefault(block_m, []).append((kernel_map, key, table, rows))
+    for block_m, group in parts.items():
+        meta, sizes, first = [], [], 0
+        for kernel_map, key, table, rows in group:
+            lo, hi = key[4:]
+            tiles, width = -(-rows.numel() // block_m), hi - lo
+            meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), lo, width])
+            sizes.append((tiles, width))
+            first += tiles
+        bases = [0, *itertools.accumulate(_plan_layout(tiles, width, block_m)[3] for tiles, width in sizes)]
+        flat = torch.empty(bases[-1], dtype=torch.int32, device=group[0][2].device)
+        for fields, (tiles, width), base in zip(meta, sizes, bases):
+            counts, slots, used, _ = _plan_layout(tiles, width, block_m)
+            fields += [base, base + counts, base + slots, 4 * (base + used)]  # the flags' start in bytes
+        kernels = tk.kernels()
+        meta_tensor = torch.tensor(meta, dtype=torch.int64).to(flat.device, non_blocking=True)
+        # The kernel reads the tables and orders by address: they are the maps' own views, which
+        # the maps hold (and the allocator reuses only after this launch, in stream order).
+        widest = _width(max(hi - lo for _, (*_, lo, hi), _, _ in group))  # narrower plans mask the rest
+        launch(kernels.tile_plans, (first,), meta_tensor, flat, len(group), BLOCK_M=block_m, WIDTH=widest)
+        for (kernel_map, key, _, _), (tiles, width), base in zip(group, sizes, bases):
+            kernel_map.offer(key, _plan_views(flat[base:], tiles, width, block_m))
+
+
+plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
+
+
+def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
+    """The map plan's pair counts (:func:`sparseconv.coords.plan.set_pair_counter`): every map's
+    pairs per offset in one launch on a GPU (tables by address), where torch took two ops a map
+    and a concatenation (~27 a street1 pass), and each map's start in them (16-byte aligned: the
+    mask kernels take a map's counts as a pointer, and Triton compiles a kernel per alignment);
+    None where the kernels do not run (see :func:`fused`)."""
+    tables = [m.neighbors for m in maps]
+    if not all(fused(t) and t.dtype == torch.int32 and t.is_contiguous() for t in tables):
+        return None
+    widest = max(t.shape[1] for t in tables)
+    block = _pair_block(widest)  # one block height for all: the widest table's
+    meta, first, starts = [], 0, [0]
+    for table in tables:
+        rows, width = table.shape
+        meta.append([first, table.data_ptr(), rows, width, starts[-1]])
+        first += max(1, -(-rows // block))
+        starts.append(starts[-1] + -(-width // 2) * 2)
+    out = torch.zeros(starts[-1], dtype=torch.int64, device=tables[0].device)
+    meta_tensor = torch.tensor(meta, dtype=torch.int64).to(out.device, non_blocking=True)
+    launch(tk.kernels().pair_counts_many, (first,), meta_tensor, out, len(tables), BLOCK=block, WIDTH=_width(widest))
+    return out, starts[:-1]
+
+
+def _pair_counts_on_gpu(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
+    """The plan's pair counter: :func:`pair_counts` on a GPU (on the CPU the interpreter would run
+    a program at a time; the tests call it directly)."""
+    return pair_counts(maps) if maps and maps[0].neighbors.is_cuda else None
+
+
+plan.set_pair_counter(_pair_counts_on_gpu)
