@@ -98,7 +98,7 @@ def _wgrad_product(kernel_map: KernelMap, params: Mapping, c_in: int, c_out: int
     Split, the splits add into the stream's zeroed fp32 sums and the last split of each tile stores
     its sum in a's dtype (:func:`split_sums`); unsplit, each program stores its own. One launch
     either way: no zero fill, no cast pass. ``recipe``: as mask_triton's (the product's view key on
-    the map): a new batch's map binds its pair lists into the launch last made under it."""
+    the map): a new batch's map binds its pair lists into the first launch made under it."""
     volume, bound, split, tiles = kernel_map.kernel_volume, None, int(params["split"]), 0
     if kernel_map.num_pairs and c_in and c_out:
         in_idx, out_idx, offset_ptr = kernel_map.pairs

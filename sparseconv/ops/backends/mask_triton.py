@@ -40,7 +40,7 @@ def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_
     options) is fixed here, once per (map, product, parameters): the layers on one map call it.
     ``mirrored``: a submanifold dgrad over the forward views, offset k reading W_{K-1-k} (see :func:`_product_of`).
     ``recipe``: what fixes the launches but for the map's views and sizes (the product's view key on
-    the map, whose ``kernel_map`` and direction): a new batch's map binds its views into the last
+    the map, whose ``kernel_map`` and direction): a new batch's map binds its views into the first
     product made under it (:data:`_TEMPLATES`) instead of making the launches anew."""
     kernels = tk.kernels()
     table = product_table(kernel_map, forward)
