@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -22,16 +22,15 @@ from .. import config
 from ..coords.kernel_map import KernelMap
 from ..ops.backends import registry
 from ..ops.problem import ConvProblem
-from ..precision import accumulator_dtype
 from . import faults, prior
 from .cache import TuneCache
 from .configs import Candidate
 from .distributed import agree, claim
-from .guard import check_output
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
-from .precompile import ChoiceCompiles, precompile
-from .timing import CLOSE, Timer, TooSlow
+from .precompile import ChoiceCompiles
+from .sweep import compile_and_sweep, retime
+from .timing import CLOSE
 
 logger = logging.getLogger("sparseconv.tune")
 
@@ -229,15 +228,15 @@ class Tuner:
                     # stays ours: other ranks run the pool's first until the choice is published.
                     return _Provisional(_REFERENCE), True
                 done = dict(timings)
-                timings.update(self._compile_and_sweep(
-                    namespace, problem, batch, a, b, kernel_map,
+                timings.update(compile_and_sweep(
+                    namespace, problem, batch, a, b, kernel_map, self.cache, self._reported,
                     store=lambda results, done=done: self._store(namespace, encoded, {**done, **results})))
                 fresh += batch
         ok = sorted((c for c in pool if (current(c) or {}).get("verdict") == "ok"), key=lambda c: cost(timings[c.id]))
         if ok and len(ok) > 1 and fresh:
             close = [c for c in ok if cost(timings[c.id]) <= cost(timings[ok[0].id]) * (1 + CLOSE)]
             if len(close) > 1 and any(c in fresh for c in close):
-                self._retime(namespace, problem, close, timings, a, b, kernel_map)
+                retime(namespace, problem, close, timings, a, b, kernel_map)
         if ok:
             winner = pick(timings, [c.id for c in ok])
             choice = next(c for c in ok if c.id == winner)
@@ -260,96 +259,6 @@ class Tuner:
             found = {(memo[0].namespace, memo[0].encode(), candidate.id)
                      for memo, (candidate, _) in self._choices.items() if isinstance(memo[0], TuneKey)}
         return sorted(found)
-
-    def _compile_and_sweep(self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b,
-                           kernel_map, store: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
-        """Compile the candidates' kernels in parallel, then time those that compiled."""
-        # Compilers print (Triton's reproducer on a failure): nothing of it reaches the terminal.
-        with faults.captured_output() as captured:
-            failed = precompile(namespace, problem, candidates, kernel_map)
-        if captured.text:
-            logger.debug("sparseconv: compiler output while precompiling for %s:\n%s", namespace, captured.text)
-        compiled = [c for c in candidates if c.id not in failed]
-        swept = self._sweep(namespace, problem, compiled, a, b, kernel_map, store=store) if compiled else {}
-        return {**failed, **swept}
-
-    def _sweep(
-        self, namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map,
-        store: Callable[[dict[str, dict]], None] | None = None,
-    ) -> dict[str, dict]:
-        """Timing records of ``candidates``; ``store`` is given the records so far after each one,
-        so a signal mid-sweep loses only the candidate being timed (see ``faults`` for failures)."""
-        # The reference runs in the accumulator dtype: with half operands explicit_gemm rounds each
-        # offset's product to half before summing, which on small values (an fp16 network's
-        # gradients without loss scaling, ~1e-6: subnormal) put it 1.5e-2 to 5e-2 away from every
-        # fp32-accumulating kernel (H100, 2026-11-25), and the guard then rejected all of them.
-        wide = accumulator_dtype(a.dtype)
-        begin = time.perf_counter()
-        reference = registry.get(FALLBACK).run(namespace, problem, {}, a.to(wide), b.to(wide), kernel_map)
-        if a.device.type == "cuda":
-            torch.cuda.synchronize(a.device)
-        limit_ms = faults.time_limit_ms(1e3 * (time.perf_counter() - begin))
-        timer = Timer(a.device)
-        results = {}
-        for candidate in candidates:
-            backend = registry.get(candidate.backend)
-            params = candidate.params_dict
-
-            def call(backend=backend, params=params):
-                return backend.run(namespace, problem, params, a, b, kernel_map)
-
-            record = {"backend": candidate.backend, "params": list(map(list, candidate.params)),
-                      "version": backend.version, "ms": None, "samples": 0}
-            output, out_of_memory = faults.Captured(), False
-            try:
-                with faults.captured_output() as output:  # the first call compiles: keep compilers off the terminal
-                    failure = check_output(call(), reference, a.dtype)
-                if failure is None:
-                    record["ms"], record["samples"], record["host_ms"] = timer.measure(call, limit_ms=limit_ms)
-                    record["verdict"] = "ok"
-                else:
-                    record.update(verdict="wrong", reason=failure)
-            except TooSlow as slow:
-                ms, limit = slow.args
-                record.update(verdict="slow", reason=f"a call took {ms:.1f} ms, over the limit of {limit:.1f} ms "
-                              f"({faults.SLOW_FACTOR:g}x the reference + {faults.SLOW_FLOOR_MS:g} ms)")
-            except Exception as error:  # noqa: BLE001 - a failing candidate is skipped, never fatal
-                record.update(verdict="failed", reason=faults.first_line(error))
-                out_of_memory = faults.is_out_of_memory(error)
-                logger.debug("sparseconv: %s failed for %s", candidate.id, namespace, exc_info=error)
-                broken = faults.probe(a.device)
-                if broken is not None:
-                    record["reason"] = f"broke the CUDA context: {record['reason']}"
-                    results[candidate.id] = record
-                    if store is not None:
-                        store(results)
-                    self.cache.flush(force=True)
-                    raise faults.poisoned(namespace, candidate.id, error, broken, recorded=store is not None) from error
-            if record["verdict"] == "failed" and out_of_memory and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # here, where the error's frames (and their tensors) are gone
-            if output.text:
-                logger.debug("sparseconv: output of %s's first call for %s:\n%s", candidate.id, namespace, output.text)
-            if record["verdict"] != "ok":
-                # One line per candidate; a WARNING (shown even where logging is not configured)
-                # only the first time a candidate fails to run in this process.
-                loud = record["verdict"] == "failed" and candidate.id not in self._reported
-                if loud:
-                    self._reported.add(candidate.id)
-                logger.log(logging.WARNING if loud else logging.INFO, "sparseconv: skipped %s for %s: %s",
-                           candidate.id, namespace, record["reason"])
-            results[candidate.id] = record
-            if store is not None:
-                store(results)
-        return results
-
-    def _retime(self, namespace, problem, candidates: list[Candidate], timings: dict, a, b, kernel_map) -> None:
-        calls = [
-            (lambda backend=registry.get(c.backend), params=c.params_dict:
-             backend.run(namespace, problem, params, a, b, kernel_map))
-            for c in candidates
-        ]
-        for candidate, (ms, samples) in zip(candidates, Timer(a.device).interleaved(calls)):
-            timings[candidate.id] = {**timings[candidate.id], "ms": ms, "samples": timings[candidate.id]["samples"] + samples}
 
     def _store(self, namespace: str, encoded: str, timings: dict[str, dict]) -> None:
         ok = {cid: t for cid, t in timings.items() if t.get("verdict") == "ok"}

@@ -1,0 +1,119 @@
+"""Timing candidates: compile a sweep's kernels in parallel, time each against the reference (a
+failure is one log line, never fatal), and re-time close finishers interleaved. The tuner
+(:mod:`.tuner`) decides what to time and keeps the records."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..ops.backends import registry
+from ..ops.problem import ConvProblem
+from ..precision import accumulator_dtype
+from . import faults
+from .cache import TuneCache
+from .configs import Candidate
+from .guard import check_output
+from .pools import FALLBACK
+from .precompile import precompile
+from .timing import Timer, TooSlow
+
+logger = logging.getLogger("sparseconv.tune")
+
+
+def compile_and_sweep(namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map,
+                      cache: TuneCache, reported: set[str],
+                      store: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
+    """Compile the candidates' kernels in parallel, then time those that compiled (:func:`sweep`)."""
+    # Compilers print (Triton's reproducer on a failure): nothing of it reaches the terminal.
+    with faults.captured_output() as captured:
+        failed = precompile(namespace, problem, candidates, kernel_map)
+    if captured.text:
+        logger.debug("sparseconv: compiler output while precompiling for %s:\n%s", namespace, captured.text)
+    compiled = [c for c in candidates if c.id not in failed]
+    swept = sweep(namespace, problem, compiled, a, b, kernel_map, cache, reported, store) if compiled else {}
+    return {**failed, **swept}
+
+def sweep(
+    namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map, cache: TuneCache,
+    reported: set[str], store: Callable[[dict[str, dict]], None] | None = None,
+) -> dict[str, dict]:
+    """Timing records of ``candidates``; ``store`` is given the records so far after each one,
+    so a signal mid-sweep loses only the candidate being timed (see ``faults`` for failures).
+    ``reported``: the candidates whose failure was logged as a warning (the tuner's, for the
+    process); ``cache`` is flushed before a candidate that broke the CUDA context is raised."""
+    # The reference runs in the accumulator dtype: with half operands explicit_gemm rounds each
+    # offset's product to half before summing, which on small values (an fp16 network's
+    # gradients without loss scaling, ~1e-6: subnormal) put it 1.5e-2 to 5e-2 away from every
+    # fp32-accumulating kernel (H100, 2026-11-25), and the guard then rejected all of them.
+    wide = accumulator_dtype(a.dtype)
+    begin = time.perf_counter()
+    reference = registry.get(FALLBACK).run(namespace, problem, {}, a.to(wide), b.to(wide), kernel_map)
+    if a.device.type == "cuda":
+        torch.cuda.synchronize(a.device)
+    limit_ms = faults.time_limit_ms(1e3 * (time.perf_counter() - begin))
+    timer = Timer(a.device)
+    results = {}
+    for candidate in candidates:
+        backend = registry.get(candidate.backend)
+        params = candidate.params_dict
+
+        def call(backend=backend, params=params):
+            return backend.run(namespace, problem, params, a, b, kernel_map)
+
+        record = {"backend": candidate.backend, "params": list(map(list, candidate.params)),
+                  "version": backend.version, "ms": None, "samples": 0}
+        output, out_of_memory = faults.Captured(), False
+        try:
+            with faults.captured_output() as output:  # the first call compiles: keep compilers off the terminal
+                failure = check_output(call(), reference, a.dtype)
+            if failure is None:
+                record["ms"], record["samples"], record["host_ms"] = timer.measure(call, limit_ms=limit_ms)
+                record["verdict"] = "ok"
+            else:
+                record.update(verdict="wrong", reason=failure)
+        except TooSlow as slow:
+            ms, limit = slow.args
+            record.update(verdict="slow", reason=f"a call took {ms:.1f} ms, over the limit of {limit:.1f} ms "
+                          f"({faults.SLOW_FACTOR:g}x the reference + {faults.SLOW_FLOOR_MS:g} ms)")
+        except Exception as error:  # noqa: BLE001 - a failing candidate is skipped, never fatal
+            record.update(verdict="failed", reason=faults.first_line(error))
+            out_of_memory = faults.is_out_of_memory(error)
+            logger.debug("sparseconv: %s failed for %s", candidate.id, namespace, exc_info=error)
+            broken = faults.probe(a.device)
+            if broken is not None:
+                record["reason"] = f"broke the CUDA context: {record['reason']}"
+                results[candidate.id] = record
+                if store is not None:
+                    store(results)
+                cache.flush(force=True)
+                raise faults.poisoned(namespace, candidate.id, error, broken, recorded=store is not None) from error
+        if record["verdict"] == "failed" and out_of_memory and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # here, where the error's frames (and their tensors) are gone
+        if output.text:
+            logger.debug("sparseconv: output of %s's first call for %s:\n%s", candidate.id, namespace, output.text)
+        if record["verdict"] != "ok":
+            # One line per candidate; a WARNING (shown even where logging is not configured)
+            # only the first time a candidate fails to run in this process.
+            loud = record["verdict"] == "failed" and candidate.id not in reported
+            if loud:
+                reported.add(candidate.id)
+            logger.log(logging.WARNING if loud else logging.INFO, "sparseconv: skipped %s for %s: %s",
+                       candidate.id, namespace, record["reason"])
+        results[candidate.id] = record
+        if store is not None:
+            store(results)
+    return results
+
+def retime(namespace, problem, candidates: list[Candidate], timings: dict, a, b, kernel_map) -> None:
+    """Time close finishers again, interleaved, and update their ``timings`` in place."""
+    calls = [
+        (lambda backend=registry.get(c.backend), params=c.params_dict:
+         backend.run(namespace, problem, params, a, b, kernel_map))
+        for c in candidates
+    ]
+    for candidate, (ms, samples) in zip(candidates, Timer(a.device).interleaved(calls)):
+        timings[candidate.id] = {**timings[candidate.id], "ms": ms, "samples": timings[candidate.id]["samples"] + samples}
