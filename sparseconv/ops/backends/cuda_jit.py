@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ... import config
+from .cuda_launch import index_of
 
 CSRC_FILES = ("rows_sm90.cu", "sparse_gemm.cu")
 COMPILE_TIMEOUT_S = 600
@@ -121,7 +122,7 @@ def unavailable() -> str | None:
 
 def arch_of(device: torch.device) -> str:
     """'sm_90' for an H100/H200: the cubin is built for exactly the device's architecture."""
-    return _arch(device.index if device.index is not None else torch.cuda.current_device())
+    return _arch(index_of(device))
 
 
 @functools.cache
@@ -218,4 +219,4 @@ def load(source: str, defines: Mapping[str, int], device: torch.device, arch: st
     """The CuPy RawModule of a variant on ``device`` (compiled first if needed; blocks until then),
     built for ``arch`` (default: the device's own, see :func:`arch_of`)."""
     path = compile_async(source, defines, arch or arch_of(device)).result()
-    return _module(path, device.index if device.index is not None else torch.cuda.current_device())
+    return _module(path, index_of(device))

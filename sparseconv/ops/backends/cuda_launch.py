@@ -93,6 +93,11 @@ def pack(args: Sequence) -> ArgumentBuffer:
     return found
 
 
+def index_of(device: torch.device) -> int:
+    """The index of a CUDA ``device`` ("cuda" alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def current_stream(device_index: int) -> int:
     """torch's current CUDA stream on the device, as a raw handle (the private getter Triton's
     launcher uses is ~20x cheaper than ``torch.cuda.current_stream``; the public one otherwise)."""

@@ -19,7 +19,7 @@ from ...coords.kernel_map import KernelMap
 from ..problem import ConvProblem
 from . import mask_triton, mask_views
 from . import triton_kernels as tk
-from .cuda_launch import current_stream
+from .cuda_launch import current_stream, index_of
 from .triton_launch import Bound, launch, warm
 from .registry import Backend, never_deterministic, register
 
@@ -150,17 +150,13 @@ def split_sums(device: torch.device, entries: int, tickets: int) -> tuple[torch.
     ``device``: split launches add into the sums, and the last split of each tile takes its sum out
     and resets its ticket, leaving both zeroed for the next launch on the stream (launches on one
     stream run one after the other; each stream has its own pair)."""
-    stream = current_stream(_index(device)) if device.type == "cuda" else None
+    stream = current_stream(index_of(device)) if device.type == "cuda" else None
     held = _SPLIT_SUMS.get((device, stream))
     if held is None or held[0].numel() < entries or held[1].numel() < tickets:
         entries, tickets = max(entries, held[0].numel() if held else 0), max(tickets, held[1].numel() if held else 0)
         held = _SPLIT_SUMS[device, stream] = (torch.zeros(entries, dtype=torch.float32, device=device),
                                               torch.zeros(tickets, dtype=torch.int32, device=device))
     return held
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _wgrad_launch(c_in: int, c_out: int, dtype: torch.dtype, params: Mapping, *tensors) -> tuple[tuple, dict]:

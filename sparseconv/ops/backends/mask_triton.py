@@ -6,8 +6,9 @@ visited sorted by their neighbour bitmask (``sort=True``) so that a tile's rows 
 With ``splits`` > 1 the offsets are cut into groups, each with its own row order and launch
 (the later ones add to the output): shorter masks sort into denser tiles, for one extra
 read and write of the output per group and one more rounding to its dtype (the tuner's guard
-compares every candidate with the reference). dgrad runs the same kernel over the transposed
-neighbour table with W_kᵀ.
+compares every candidate with the reference). dgrad runs the same kernel with W_kᵀ over a forward
+table too: the adjoint's (a strided or transposed map's transposed table), or a submanifold map's
+own with the offsets mirrored (:func:`_product_of`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..problem import ConvProblem
 from . import mask_views
 from . import triton_kernels as tk
 from .triton_launch import Bound, warm
-from .mask_views import offset_groups, product_table, sorted_rows, tile_plan
+from .mask_views import offset_groups, sorted_rows, tile_plan
 from .registry import Backend, always_deterministic, register
 
 
@@ -31,19 +32,19 @@ def new_output(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(shape)
 
 
-def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_dim: int, out_dim: int,
+def _rows_product(kernel_map: KernelMap, params: Mapping, reduce_dim: int, out_dim: int,
                   strides: tuple[int, int, int], dtype: torch.dtype, mirrored: bool = False, recipe: tuple = ()
                   ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The product as a function of (a, w): one launch per offset group, the first storing every
-    row, the later ones adding theirs (rows are re-sorted per group, so each group's tiles are dense
-    in the offsets they visit). Everything but the operands and the output (views, grid, sizes,
+    """The product over ``kernel_map``'s own (forward) table as a function of (a, w): one launch per
+    offset group, the first storing every row, the later ones adding theirs (rows are re-sorted per
+    group, so each group's tiles are dense in the offsets they visit). Everything but the operands and the output (views, grid, sizes,
     options) is fixed here, once per (map, product, parameters): the layers on one map call it.
     ``mirrored``: a submanifold dgrad over the forward views, offset k reading W_{K-1-k} (see :func:`_product_of`).
     ``recipe``: what fixes the launches but for the map's views and sizes (the product's view key on
-    the map, whose ``kernel_map`` and direction): a new batch's map binds its views into the first
+    the map it was asked of, whose kernel volume, device and mirroring): a new batch's map binds its views into the first
     product made under it (:data:`_TEMPLATES`) instead of making the launches anew."""
     kernels = tk.kernels()
-    table = product_table(kernel_map, forward)
+    table = kernel_map.neighbors
     num_rows = table.shape[0]
     bm, bn = int(params["block_m"]), int(params["block_n"])
     sort = bool(params.get("sort", True))
@@ -51,13 +52,13 @@ def _rows_product(kernel_map: KernelMap, forward: bool, params: Mapping, reduce_
     if mirrored:
         groups = _mirror(groups, table.shape[1])
     if recipe:
-        recipe = (*recipe, forward, mirrored, table.shape[1], table.device)
+        recipe = (*recipe, mirrored, table.shape[1], table.device)
     template = _TEMPLATES.get(recipe) if recipe else None
     launches = []
     if num_rows and out_dim:
         for step, group in enumerate(groups):
-            rows = sorted_rows(kernel_map, forward, sort, group, groups)
-            _, offsets, counts, slots = tile_plan(kernel_map, forward, sort, bm, group)
+            rows = sorted_rows(kernel_map, True, sort, group, groups)
+            _, offsets, counts, slots = tile_plan(kernel_map, True, sort, bm, group)
             grid = (counts.numel() * tk.cdiv(out_dim, bn),)
             if template is not None:
                 launches.append(template.launches[step].bind(grid, {2: slots, 3: rows, 4: offsets, 5: counts,
@@ -155,11 +156,12 @@ def _prepared(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int,
 def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype,
                 recipe: tuple = ()):
     forward, reduce_dim, out_dim, strides = _product(namespace, c_in, c_out)
+    mirrored = False
     if not forward and kernel_map.identity_offset is None:
         # The transposed table is the adjoint's forward table (see sorted_rows): run on the adjoint.
         # The product keeps the adjoint's views it launches with, not the adjoint (which refers to
         # this map: a cycle would keep both maps' tables until a full garbage collection).
-        kernel_map, forward = kernel_map.transposed(), True
+        kernel_map = kernel_map.transposed()
     elif not forward:
         # A submanifold map's transposed table is its own with the offsets mirrored (row i meets row
         # j through k exactly when j meets i through K-1-k), so dgrad, gin_i = sum_k gout[T_ik] W_k^T,
@@ -169,9 +171,8 @@ def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: in
         # views are theirs; elsewhere they are built here, and the next batch's map plan builds
         # them ahead with the forward's (no transposed table, at the cost of holding these plans
         # through the forward pass: in the benchmark MinkUNet, those of four coarse maps).
-        return _rows_product(kernel_map, True, params, reduce_dim, out_dim, (-strides[0], *strides[1:]), dtype,
-                             mirrored=True, recipe=recipe)
-    return _rows_product(kernel_map, forward, params, reduce_dim, out_dim, strides, dtype, recipe=recipe)
+        strides, mirrored = (-strides[0], *strides[1:]), True
+    return _rows_product(kernel_map, params, reduce_dim, out_dim, strides, dtype, mirrored, recipe)
 
 
 def _mirror(groups: list[tuple[int, int]], volume: int) -> list[tuple[int, int]]:
