@@ -133,12 +133,15 @@ def checked_conv3d(
                                       pins)
     if weight.shape[0] == 1 and stride == (1, 1, 1) and not generative:
         # Every row is its own only neighbour: a matmul on the same coordinates, no map, no tuner.
-        out = torch.mm(feats, weight[0])
+        # squeeze, not weight[0]: its backward is a view of the gradient, where select's backward
+        # fills a zeroed weight-sized tensor (two launches a 1x1 layer in a training step).
+        matrix = weight.squeeze(0)
+        out = torch.mm(feats, matrix) if bias is None else torch.addmm(bias, feats, matrix)
         if record is not None:
             record["AB_gather_scatter"] = MATMUL
             if out.requires_grad:
                 record.update({"ABt_gather_scatter": MATMUL, "AtB_gather_gather": MATMUL})
-        return SparseTensor._derived(out if bias is None else out + bias, input.cache, input.coord_id)
+        return SparseTensor._derived(out, input.cache, input.coord_id)
     key = KernelMapKey(input.coord_id, kernel_size, stride, dilation, transposed, generative)
     kernel_map, out_id = input.cache.kernel_map(key)
     layer = (weight.shape[1], weight.shape[2], kernel_size, stride, dilation, transposed, generative,
