@@ -284,6 +284,18 @@ def _define() -> SimpleNamespace:
         masks = tl.where(r < rows, masks, (tl.full((BLOCK,), 1, tl.int64) << width) - 1) | (e.to(tl.int64) << SHIFT)
         tl.store(keys_ptr + r, masks, mask=r < size)
 
+    @triton.jit(do_not_specialize=["entries"])
+    def orders_from_positions(meta_ptr, order_ptr, entries, BLOCK: tl.constexpr):
+        """After row_masks_many (same meta table and grid) and one sort of its keys: each entry's
+        sorted positions, which lie in its own part of the keys (its tag orders it there), less the
+        part's start (meta field 7), are the entry's rows in visiting order."""
+        meta, e, block = _entry(meta_ptr, entries, 9)
+        start = tl.load(meta + 7)
+        r = block * BLOCK + tl.arange(0, BLOCK)
+        at = order_ptr + start + r
+        ok = r < tl.load(meta + 8)
+        tl.store(at, tl.load(at, mask=ok, other=0) - start, mask=ok)
+
     @triton.jit(do_not_specialize=["rows", "lo", "width"])
     def tile_plan(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, rows, row_stride, lo, width,
                   BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
@@ -332,33 +344,34 @@ def _define() -> SimpleNamespace:
         at = tile * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
 
-    @triton.jit(do_not_specialize=["rows", "width"])
-    def pair_blocks(table_ptr, counts_ptr, rows, width, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-        """counts[b, k]: the pairs of offset k among rows [b * BLOCK, (b + 1) * BLOCK) of a (rows,
-        width) neighbour table."""
+    @triton.jit(do_not_specialize=["rows", "width", "blocks"])
+    def pair_blocks(table_ptr, counts_ptr, rows, width, blocks, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """counts[k, b] ((WIDTH, blocks), offsets along the rows so that their sums over the blocks
+        are an innermost-dimension scan): the pairs of offset k among rows [b * BLOCK, (b + 1) *
+        BLOCK) of a (rows, width) neighbour table."""
         block = tl.program_id(0)
         i = block * BLOCK + tl.arange(0, BLOCK)
         k = tl.arange(0, WIDTH)
         ok = (i[:, None] < rows) & (k[None, :] < width)
         source = tl.load(table_ptr + i[:, None] * width + k[None, :], mask=ok, other=-1)
-        tl.store(counts_ptr + block * WIDTH + k, tl.sum((source >= 0).to(tl.int32), axis=0))
+        tl.store(counts_ptr + k * blocks + block, tl.sum((source >= 0).to(tl.int32), axis=0))
 
     @triton.jit(do_not_specialize=["rows", "width", "blocks"])
     def pair_lists(table_ptr, before_ptr, in_ptr, out_ptr, offset_ptr, rows, width, blocks,
                    BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-        """The pairs of a neighbour table by offset, each offset's by row: ``before`` holds
-        pair_blocks' counts summed over the blocks up to each (inclusive), so offset k's pairs start
+        """The pairs of a neighbour table by offset, each offset's by row: ``before`` (WIDTH, blocks)
+        holds pair_blocks' counts summed over the blocks up to each (inclusive), so offset k's pairs start
         at the sum of the earlier offsets' totals (its last row), a block's at that plus the earlier
         blocks', a row's at that plus the block's earlier rows'."""
         block = tl.program_id(0)
         k = tl.arange(0, WIDTH)
         k_ok = k < width
-        totals = tl.load(before_ptr + (blocks - 1) * WIDTH + k, mask=k_ok, other=0)
+        totals = tl.load(before_ptr + k * blocks + blocks - 1, mask=k_ok, other=0)
         starts = tl.cumsum(totals, axis=0) - totals
         if block == 0:
             tl.store(offset_ptr + k, starts, mask=k_ok)
             tl.store(offset_ptr + width, tl.sum(totals, axis=0))
-        earlier = tl.load(before_ptr + tl.maximum(block - 1, 0) * WIDTH + k, mask=k_ok, other=0)
+        earlier = tl.load(before_ptr + k * blocks + tl.maximum(block - 1, 0), mask=k_ok, other=0)
         earlier = tl.where(block > 0, earlier, 0)
         i = block * BLOCK + tl.arange(0, BLOCK)
         ok = (i[:, None] < rows) & k_ok[None, :]
@@ -370,6 +383,7 @@ def _define() -> SimpleNamespace:
 
     return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad,
                            row_masks=row_masks, tile_plan=tile_plan, tile_plans=tile_plans,
+                           orders_from_positions=orders_from_positions,
                            pair_blocks=pair_blocks, pair_lists=pair_lists, row_masks_many=row_masks_many,
                            pair_counts_many=pair_counts_many)
 
