@@ -238,8 +238,9 @@ def sparse_conv3d(
     writes to would be guarded on (a recompile whenever its contents change).
     """
     if math.prod(kernel_size) == 1 and stride == (1, 1, 1) and not generative:
-        out = torch.mm(feats, weight[0])
-        return SparseTensor._derived(out if bias is None else out + bias, input.cache, input.coord_id)
+        matrix = weight.squeeze(0)  # as conv.checked_conv3d: a view's backward, not select's zero fill
+        out = torch.mm(feats, matrix) if bias is None else torch.addmm(bias, feats, matrix)
+        return SparseTensor._derived(out, input.cache, input.coord_id)
     key = KernelMapKey(input.coord_id, kernel_size, stride, dilation, bool(transposed), bool(generative))
     neighbors, out_id = find_map(input, key)
     out = conv_forward(feats, weight, neighbors, kernel_size, stride, dilation, key.transposed, key.generative,
