@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..coords.kernel_map import KernelMap
+from ..ops.backends.cuda_launch import index_of
 from ..ops.problem import ConvProblem
 
 TUNER_VERSION = 1
@@ -58,7 +59,7 @@ def _cuda_identity(index: int) -> str:
 def device_identity(device: torch.device) -> str:
     """GPU: name, compute capability, SM count; CPU: model and torch's thread count."""
     if device.type == "cuda":
-        return f"cuda {_cuda_identity(device.index if device.index is not None else torch.cuda.current_device())}"
+        return f"cuda {_cuda_identity(index_of(device))}"
     return f"cpu {_cpu_model()} {torch.get_num_threads()}t"
 
 
