@@ -41,6 +41,7 @@ class CoordinateCache:
         self._maps: dict[KernelMapKey, tuple[KernelMap, int]] = {}
         self._record: plan.Record | None = None
         self._planned: dict[KernelMapKey, tuple[KernelMap, int]] = {}  # built ahead, not asked for yet
+        self._dropped: set[int] = set()  # sets whose hash tables went once the plan's maps were built
         self._moved: weakref.WeakValueDictionary[str, CoordinateCache] = weakref.WeakValueDictionary()
 
     def add(self, coords: torch.Tensor, stride: Triple, canonical: bool, keys: torch.Tensor | None = None,
@@ -91,6 +92,8 @@ class CoordinateCache:
         table = self._tables.get(set_id)
         if table is None:
             table = self._tables[set_id] = CoordHashTable.build(self._sets[set_id].coords, self.keys(set_id))
+            if set_id in self._dropped:  # a query the plan did not make: the next batches keep this one
+                self._record.keep_tables.add(self._sets[set_id].stride)
         return table
 
     def kernel_map(self, key: KernelMapKey) -> tuple[KernelMap, int]:
@@ -103,11 +106,24 @@ class CoordinateCache:
     def _first_request(self, key: KernelMapKey) -> tuple[KernelMap, int]:
         if self._record is None:  # the batch's first map: the maps earlier batches asked for are built now
             self._record, self._planned = plan.begin(self)
+            if self._planned:
+                self._drop_tables()
         hit = self._planned.pop(key, None)
         if hit is None:
             hit = self._build(key)
         self._record.note(self, key, hit[0])
         return hit
+
+    def _drop_tables(self) -> None:
+        """Drop the hash tables once the plan has queried its maps (street4's input and coarse sets:
+        ~26 MiB, held through the forward pass's memory peak otherwise), but those of strides whose
+        tables the last batches queried again after their plan (a map the plan does not make: a
+        generative conv's, a pool's of another size); :meth:`table` builds a dropped one again."""
+        keep = self._record.keep_tables
+        for set_id in list(self._tables):
+            if self._sets[set_id].stride not in keep:
+                del self._tables[set_id]
+                self._dropped.add(set_id)
 
     def built_map(self, key: KernelMapKey) -> tuple[KernelMap, int] | None:
         """What :meth:`kernel_map` returns for ``key`` if that map is built already, else None

@@ -192,22 +192,61 @@ class KernelMap:
     plan_spec: Hashable | None = None
     """What the map plan knows this map by (its adjoint's views are kept under it too)."""
 
-    def derived(self, key: Hashable, build: Callable[[KernelMap], V]) -> V:
+    def derived(self, key: Hashable, build: Callable[[KernelMap], V], product: bool = False) -> V:
         """A backend's own view of this map (e.g. padded groups), built on first use and kept with the
-        map; a view :meth:`offer` holds is taken instead of building it."""
+        map; a view :meth:`offer` holds is taken instead of building it. ``product``: a prepared
+        product, which may hold releasable views (:meth:`release` drops it with them)."""
         view = self._derived.get(key, _NONE)  # one lookup on the hot path (a step makes ~300)
         if view is _NONE:
             offered = self.__dict__.get("_offered")
             view = offered.pop(key, _NONE) if offered else _NONE
             view = self._derived[key] = build(self) if view is _NONE else view
+            if product:
+                self.__dict__.setdefault("_products", []).append(key)
             if self.on_view is not None:
                 self.on_view(key)
         return view  # type: ignore[return-value]
 
-    def offer(self, key: Hashable, view: object) -> None:
+    def offer(self, key: Hashable, view: object, releasable: bool = False) -> None:
         """Hold ``view``, built ahead (several maps' views in one pass), for :meth:`derived` to take
-        when a layer asks for ``key``; one never asked for is not reported to :attr:`on_view`."""
+        when a layer asks for ``key``; one never asked for is not reported to :attr:`on_view`.
+        ``releasable``: dropped after the map's last forward product of a training pass (see
+        :meth:`forward_done`), to be built again by a backward product that asks for it."""
         self.__dict__.setdefault("_offered", {})[key] = view
+        if releasable:
+            self.__dict__.setdefault("_releasable", []).append(key)
+
+    forward_count: list[int] | None = None
+    """The map plan's count of the forward products a training pass makes on this map (a cell the
+    plan's record keeps: the next batch's map expects as many, see :attr:`forward_left`)."""
+    forward_left = 0
+    """Forward products still expected on this map in this training pass (0: none known)."""
+
+    def forward_done(self) -> None:
+        """Count a forward product of a training pass on this map; after the last one the last
+        batches made, drop the releasable views (:meth:`offer`) and the prepared products that hold
+        them: what only backward reads again need not wait in memory through the rest of the forward
+        pass, where the activations peak. A later forward product builds them again (a network that
+        changed between batches costs time, never a wrong result)."""
+        count = self.forward_count
+        if count is not None:
+            count[0] += 1
+        left = self.forward_left
+        if left > 0:
+            self.forward_left = left - 1
+            if left == 1:
+                self.release()
+
+    def release(self) -> None:
+        """Drop the releasable views and the products prepared on this map (each built again on demand)."""
+        keys = self.__dict__.pop("_releasable", ())
+        if not keys:
+            return
+        offered = self.__dict__.get("_offered") or {}
+        for key in (*keys, *self.__dict__.pop("_products", ())):
+            self._derived.pop(key, None)
+            offered.pop(key, None)
+        self.calls.clear()
 
     def __repr__(self) -> str:
         return (

@@ -73,6 +73,13 @@ class Record:
         """Per map, the keys of the views its layers used (:attr:`KernelMap.on_view`), in order."""
         self.adjoint_views: dict[MapSpec, dict[Hashable, None]] = {}
         """The same for the adjoint of the map (a transposed conv's, :meth:`KernelMap.transposed`)."""
+        self.forward_counts: dict[tuple[MapSpec, bool], list[int]] = {}
+        """Per (map, its adjoint?), the forward products of training passes on it (:attr:`KernelMap.forward_count`)."""
+        self.expected: dict[tuple[MapSpec, bool], int] = {}
+        """What the last batches' records counted (their most): each new map's :attr:`KernelMap.forward_left`."""
+        self.keep_tables: set[Triple] = set()
+        """Strides whose hash tables a query after the plan needed (here or in the last batches): the
+        cache keeps them when it drops the others (:meth:`CoordinateCache._drop_tables`)."""
         with _lock:
             _history.setdefault(signature, collections.deque(maxlen=HISTORY)).append(self)
 
@@ -82,11 +89,17 @@ class Record:
             self.specs.append(spec)
             kernel_map.on_view = self.views.setdefault(spec, {}).setdefault
             kernel_map.plan_spec = spec
+            self._count(kernel_map, (spec, False))
             _replay(kernel_map)
         source = kernel_map.transpose_of
         if spec is None and source is not None and source.plan_spec in self.views:
             kernel_map.on_view = self.adjoint_views.setdefault(source.plan_spec, {}).setdefault
+            self._count(kernel_map, (source.plan_spec, True))
             _replay(kernel_map)
+
+    def _count(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> None:
+        kernel_map.forward_count = self.forward_counts.setdefault(which, [0])
+        kernel_map.forward_left = self.expected.get(which, 0)
 
 
 def _replay(kernel_map: KernelMap) -> None:
@@ -125,6 +138,10 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
             for spec, keys in by_spec.items():
                 views.setdefault((spec, adjoint), {}).update(keys)
     record = Record(signature)
+    for earlier_record in earlier:
+        for which, count in earlier_record.forward_counts.items():
+            record.expected[which] = max(record.expected.get(which, 0), count[0])
+        record.keep_tables |= earlier_record.keep_tables
     fresh = cache.set_count() == 1 and first.canonical and first.coords.shape[0] > 0
     if not (plan and fresh and config.plan_maps()) or signature in _failed:
         return record, {}

@@ -149,6 +149,7 @@ def checked_conv3d(
     problem = kernel_map.derived(("conv_problem", *layer), lambda m: _problem(m, *layer))
     if torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad):
         out = SparseConvFunction.apply(feats, weight, kernel_map, problem, pins, record)
+        kernel_map.forward_done()  # after the map's last forward product, what only backward reads is dropped
     else:  # nothing to differentiate: the forward product alone, without an autograd node (~5 µs)
         out = dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map, record)
     if bias is not None:

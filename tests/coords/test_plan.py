@@ -187,3 +187,23 @@ def test_a_failing_plan_is_one_warning_and_the_layers_build_their_maps(device, m
     z = batch(device, 9)
     z.cache.kernel_map(KernelMapKey(z.coord_id, *SUBM))
     assert z.cache.set_count() == 1 and not caplog.records, "planning stays off on that device, quietly"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_planned_batch_drops_its_hash_tables_but_those_queried_after_the_plan(device, monkeypatch):
+    # Once the plan has queried its maps the sets' hash tables only take memory (through the forward
+    # pass's peak): they go, and a map the plan does not make (stride 3, generative: from the input
+    # set) builds its source's table again, which the next batches then keep.
+    requests(batch(device, 0))
+    x = batch(device, 6)
+    x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
+    assert x.cache._tables == {} and len(x.cache._dropped) == 4
+    planned = requests(x)
+    assert set(x.cache._tables) == {x.coord_id} and x.cache._record.keep_tables == {(1, 1, 1)}
+    monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
+    y = batch(device, 6)
+    assert_same_maps(planned, requests(y), x.cache, y.cache)
+    monkeypatch.delenv("SPARSECONV_PLAN_MAPS")
+    z = batch(device, 7)
+    z.cache.kernel_map(KernelMapKey(z.coord_id, *SUBM))
+    assert set(z.cache._tables) == {z.coord_id} and len(z.cache._dropped) == 3

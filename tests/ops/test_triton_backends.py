@@ -464,3 +464,59 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
         launches.clear()
         use(batch())
         assert len(sorts) == 1 and launches.count(kernels.tile_plan) == 1 and launches.count(kernels.tile_plans) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_training_pass_drops_planned_tile_plans_after_their_maps_last_forward_product(device, monkeypatch):
+    # A planned batch's tile plans would wait for backward through the rest of the forward pass (a
+    # U-Net's coarse levels' through its fine decoder, where the activations peak): after a map's
+    # last forward product (as many as the last batch made) they are dropped, with the products that
+    # hold them, and the dgrads that walk them build them again. Gradients equal the explicit
+    # backend's, batch after batch.
+    import weakref
+
+    from sparseconv import SparseTensor
+    from sparseconv.coords import KernelMap
+    from sparseconv.nn import SparseConv3d, SparseConvTranspose3d
+    from sparse_reference import random_coords
+
+    def net(algo, wgrad):
+        torch.manual_seed(0)
+        pins = dict(bias=False, fwd_algo=algo, dgrad_algo=algo, wgrad_algo=wgrad)
+        return torch.nn.ModuleList([SparseConv3d(3, 4, 3, **pins), SparseConv3d(4, 5, 2, 2, **pins),
+                                    SparseConv3d(5, 5, 3, **pins), SparseConvTranspose3d(5, 4, 2, 2, **pins),
+                                    SparseConv3d(4, 2, 3, **pins)]).to(device)
+
+    def step(layers, coords, feats, grad):
+        x = SparseTensor(coords, feats.clone().requires_grad_())
+        a = layers[0](x)
+        up = layers[3](layers[2](layers[1](a)))
+        out = layers[4](a.replace(up.feats + a.feats))
+        plans = [key for m in x.cache.kernel_maps() for key in (*m._derived, *m.__dict__.get("_offered", {}))
+                 if key[0] == "tile_plan"]
+        out.feats.backward(grad)
+        return x, [x.feats.grad] + [layer.weight.grad for layer in layers], plans
+
+    ours, reference = net("mask_implicit_gemm", "splitk_wgrad"), net("explicit_gemm", "explicit_gemm")
+    held, released = [], []
+    offer, release = KernelMap.offer, KernelMap.release
+    monkeypatch.setattr(KernelMap, "offer", lambda self, key, view, releasable=False: (
+        releasable and held.extend(weakref.ref(t) for t in view)) or offer(self, key, view, releasable))
+    monkeypatch.setattr(KernelMap, "release", lambda self: released.append(self) or release(self))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        coords = random_coords(60 if device == "cpu" else 5000, 8 if device == "cpu" else 40, low=-3, device=device)
+        feats, grad = torch.randn(len(coords), 3, device=device), torch.randn(len(coords), 2, device=device)
+        held.clear(), released.clear()
+        x, grads, plans = step(ours, coords, feats, grad)
+        if seed:  # planned from the batches before: every map's plans went after its last forward product
+            assert held and plans == [] and all(ref() is None for ref in held)
+            # the input's and the coarse submanifold maps, the strided map and its adjoint
+            assert len({id(kernel_map) for kernel_map in released}) == 4
+        else:
+            assert not held and not released
+        _, expected, _ = step(reference, coords, feats, grad)
+        for layers in (ours, reference):
+            layers.zero_grad(set_to_none=True)
+        for got, want in zip(grads, expected):
+            assert relative_error(got, want) < TOLERANCE[torch.float32]

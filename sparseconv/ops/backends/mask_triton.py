@@ -150,7 +150,7 @@ def prepare(namespace: str, problem: ConvProblem, params: Mapping, kernel_map: K
 
 def _prepared(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype):
     key = ("rows_product", namespace, c_in, c_out, dtype, tuple(params.items()))
-    return kernel_map.derived(key, lambda m: _product_of(m, namespace, params, c_in, c_out, dtype, key))
+    return kernel_map.derived(key, lambda m: _product_of(m, namespace, params, c_in, c_out, dtype, key), product=True)
 
 
 def _product_of(kernel_map: KernelMap, namespace: str, params: Mapping, c_in: int, c_out: int, dtype: torch.dtype,

@@ -73,9 +73,12 @@ plan.add_view_builder(build_planned_orders)
 def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
     """The plan's view builder for tile plans (after :func:`build_planned_orders`, whose orders they
     read): every forward :func:`tile_plan` the last batches' layers used on the new maps, built by one
-    ``tile_plans`` launch per tile height into one buffer, where each layer made
-    a buffer and a launch of its own (~70 µs of host time each on an H100 host; a MinkUNet
-    training step builds ~29). Offered to the maps like the orders; equal to what tile_plan builds."""
+    ``tile_plans`` launch per tile height, where each layer made a launch of its own (~70 µs of host
+    time each on an H100 host; a MinkUNet training step builds ~29). Each map's plans share one buffer
+    of their own, offered to the map as releasable (:meth:`KernelMap.offer`): after the map's last
+    forward product of a training pass they are dropped, and a dgrad that walks them builds them
+    again (a U-Net holds every coarse level's plans at its memory peak, the fine end of its
+    decoder, otherwise). Equal to what tile_plan builds."""
     parts: dict[int, list] = {}  # by tile height
     for kernel_map, keys in wanted:
         for key in keys:
@@ -95,27 +98,41 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
             if rows.dtype != torch.int64:
                 continue
             parts.setdefault(block_m, []).append((kernel_map, key, table, rows))
+    # Each map's buffer: its plans one after the other, each part 16-byte aligned (_plan_layout).
+    sizes: dict[int, int] = {}
+    placed = []
     for block_m, group in parts.items():
-        meta, sizes, first = [], [], 0
+        for kernel_map, key, table, rows in group:
+            tiles, width = -(-rows.numel() // block_m), key[5] - key[4]
+            base = sizes.get(id(kernel_map), 0)
+            sizes[id(kernel_map)] = base + _plan_layout(tiles, width, block_m)[3]
+            placed.append(base)
+    buffers = {}
+    for kernel_map, _, _, _ in (part for group in parts.values() for part in group):
+        if id(kernel_map) not in buffers:
+            buffers[id(kernel_map)] = torch.empty(sizes[id(kernel_map)], dtype=torch.int32,
+                                                  device=kernel_map.neighbors.device)
+    at = iter(placed)
+    for block_m, group in parts.items():
+        meta, views, first = [], [], 0
         for kernel_map, key, table, rows in group:
             lo, hi = key[4:]
             tiles, width = -(-rows.numel() // block_m), hi - lo
-            meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), lo, width])
-            sizes.append((tiles, width))
-            first += tiles
-        bases = [0, *itertools.accumulate(_plan_layout(tiles, width, block_m)[3] for tiles, width in sizes)]
-        flat = torch.empty(bases[-1], dtype=torch.int32, device=group[0][2].device)
-        for fields, (tiles, width), base in zip(meta, sizes, bases):
+            flat = buffers[id(kernel_map)][next(at):]
             counts, slots, used, _ = _plan_layout(tiles, width, block_m)
-            fields += [base, base + counts, base + slots, 4 * (base + used)]  # the flags' start in bytes
+            start = flat.data_ptr()  # the kernel writes by address (4-byte int32 units below)
+            meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), lo, width,
+                         start, start + 4 * counts, start + 4 * slots, start + 4 * used])
+            views.append((kernel_map, key, _plan_views(flat, tiles, width, block_m)))
+            first += tiles
         kernels = tk.kernels()
-        meta_tensor = torch.tensor(meta, dtype=torch.int64).to(flat.device, non_blocking=True)
-        # The kernel reads the tables and orders by address: they are the maps' own views, which
-        # the maps hold (and the allocator reuses only after this launch, in stream order).
+        meta_tensor = torch.tensor(meta, dtype=torch.int64).to(group[0][2].device, non_blocking=True)
+        # The kernel reads the tables and orders and writes the plans by address: the maps hold them
+        # (and the allocator reuses them only after this launch, in stream order).
         widest = _width(max(hi - lo for _, (*_, lo, hi), _, _ in group))  # narrower plans mask the rest
-        launch(kernels.tile_plans, (first,), meta_tensor, flat, len(group), BLOCK_M=block_m, WIDTH=widest)
-        for (kernel_map, key, _, _), (tiles, width), base in zip(group, sizes, bases):
-            kernel_map.offer(key, _plan_views(flat[base:], tiles, width, block_m))
+        launch(kernels.tile_plans, (first,), meta_tensor, len(group), BLOCK_M=block_m, WIDTH=widest)
+        for kernel_map, key, view in views:
+            kernel_map.offer(key, view, releasable=True)
 
 
 plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders

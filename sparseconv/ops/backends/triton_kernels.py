@@ -318,17 +318,18 @@ def _define() -> SimpleNamespace:
         tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
 
     @triton.jit(do_not_specialize=["plans"])
-    def tile_plans(meta_ptr, out_ptr, plans, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    def tile_plans(meta_ptr, plans, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
         """tile_plan for several (table, row order) pairs of one tile height in one launch: the
         program's tile is the plan's whose first tile (meta field 0) it is at or past. Per plan,
-        11 int64 (planned_views.build_planned_tile_plans writes them): first tile, table and order addresses, rows, row stride, lo, width, and
-        where its lists, counts and slots (int32 units) and used flags (bytes) start in out."""
+        11 int64 (planned_views.build_planned_tile_plans writes them): first tile, table and order
+        addresses, rows, row stride, lo, width, and the addresses of its lists, counts, slots and used
+        flags (each map's plans in a buffer of its own, which the map can drop alone)."""
         meta, _, tile = _entry(meta_ptr, plans, 11)
         table_ptr, order_ptr, rows, row_stride, lo, width = _table_fields(meta)
-        list_ptr = out_ptr + tl.load(meta + 7)
-        count_ptr = out_ptr + tl.load(meta + 8)
-        slots_ptr = out_ptr + tl.load(meta + 9)
-        used_ptr = out_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + tl.load(meta + 10)
+        list_ptr = tl.load(meta + 7).to(tl.pointer_type(tl.int32))
+        count_ptr = tl.load(meta + 8).to(tl.pointer_type(tl.int32))
+        slots_ptr = tl.load(meta + 9).to(tl.pointer_type(tl.int32))
+        used_ptr = tl.load(meta + 10).to(tl.pointer_type(tl.int8))
         i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         k = tl.arange(0, WIDTH)
         row = tl.load(order_ptr + i, mask=i < rows, other=0)
