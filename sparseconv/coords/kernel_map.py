@@ -210,8 +210,8 @@ class KernelMap:
     def offer(self, key: Hashable, view: object, releasable: bool = False) -> None:
         """Hold ``view``, built ahead (several maps' views in one pass), for :meth:`derived` to take
         when a layer asks for ``key``; one never asked for is not reported to :attr:`on_view`.
-        ``releasable``: dropped after the map's last forward product of a training pass (see
-        :meth:`forward_done`), to be built again by a backward product that asks for it."""
+        ``releasable``: ``view.release()`` frees its memory after the map's last forward product of a
+        training pass (:meth:`forward_done`); whoever reads it then calls ``view.restore()`` first."""
         self.__dict__.setdefault("_offered", {})[key] = view
         if releasable:
             self.__dict__.setdefault("_releasable", []).append(key)
@@ -224,9 +224,9 @@ class KernelMap:
 
     def forward_done(self) -> None:
         """Count a forward product of a training pass on this map; after the last one the last
-        batches made, drop the releasable views (:meth:`offer`) and the prepared products that hold
-        them: what only backward reads again need not wait in memory through the rest of the forward
-        pass, where the activations peak. A later forward product builds them again (a network that
+        batches made, release the releasable views (:meth:`offer`) and drop the prepared products
+        that hold them: what only backward reads again need not wait in memory through the rest of
+        the forward pass, where the activations peak. A later product restores them (a network that
         changed between batches costs time, never a wrong result)."""
         count = self.forward_count
         if count is not None:
@@ -238,15 +238,24 @@ class KernelMap:
                 self.release()
 
     def release(self) -> None:
-        """Drop the releasable views and the products prepared on this map (each built again on demand)."""
+        """Release the releasable views' memory, and drop the products prepared on this map and on its
+        adjoint (a dgrad's product on one walks the other's views), which may hold them: the next
+        product is prepared again, through the views' readers, which restore them."""
         keys = self.__dict__.pop("_releasable", ())
         if not keys:
             return
         offered = self.__dict__.get("_offered") or {}
-        for key in (*keys, *self.__dict__.pop("_products", ())):
-            self._derived.pop(key, None)
-            offered.pop(key, None)
-        self.calls.clear()
+        for key in keys:
+            view = self._derived.get(key, offered.get(key))
+            release = getattr(view, "release", None)
+            if release is not None:
+                release()
+        ref = self.__dict__.get("_adjoint")
+        for kernel_map in (self, self.transpose_of if ref is None else ref()):
+            if kernel_map is not None:
+                for key in kernel_map.__dict__.pop("_products", ()):
+                    kernel_map._derived.pop(key, None)
+                kernel_map.calls.clear()
 
     def __repr__(self) -> str:
         return (

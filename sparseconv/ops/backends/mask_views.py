@@ -284,7 +284,11 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
             2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
         return used, offsets, used.sum(1, dtype=torch.int32), per_tile.reshape(-1)
 
-    return kernel_map.derived(("tile_plan", forward, sort, block_m, lo, hi), build)
+    views = kernel_map.derived(("tile_plan", forward, sort, block_m, lo, hi), build)
+    restore = getattr(views, "restore", None)  # a planned plan, released after its forward products
+    if restore is not None:
+        restore()
+    return views
 
 
 def _plan_layout(tiles: int, width: int, block_m: int) -> tuple[int, int, int, int]:
@@ -347,4 +351,4 @@ def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequenc
         args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, block_m)
         warm(kernels.tile_plan, device, *args, **options)
         # the same plans built by the map plan, with others of this tile height (the widest sets WIDTH)
-        warm(kernels.tile_plans, device, i64, 2, BLOCK_M=block_m, WIDTH=_width(width))
+        warm(kernels.tile_plans, device, i64, 2, 0, 0, BLOCK_M=block_m, WIDTH=_width(width))

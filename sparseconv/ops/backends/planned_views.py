@@ -74,11 +74,11 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
     """The plan's view builder for tile plans (after :func:`build_planned_orders`, whose orders they
     read): every forward :func:`tile_plan` the last batches' layers used on the new maps, built by one
     ``tile_plans`` launch per tile height, where each layer made a launch of its own (~70 µs of host
-    time each on an H100 host; a MinkUNet training step builds ~29). Each map's plans share one buffer
-    of their own, offered to the map as releasable (:meth:`KernelMap.offer`): after the map's last
-    forward product of a training pass they are dropped, and a dgrad that walks them builds them
-    again (a U-Net holds every coarse level's plans at its memory peak, the fine end of its
-    decoder, otherwise). Equal to what tile_plan builds."""
+    time each on an H100 host; a MinkUNet training step builds ~29). Each map's plans share a
+    :class:`_PlanBuffer`, offered with them as releasable (:meth:`KernelMap.offer`): after the map's
+    last forward product of a training pass its memory goes, and the dgrad that reads the plans
+    has them rebuilt in it (a U-Net holds every coarse level's plans at its memory peak, the fine
+    end of its decoder, otherwise). Equal to what tile_plan builds."""
     parts: dict[int, list] = {}  # by tile height
     for kernel_map, keys in wanted:
         for key in keys:
@@ -98,44 +98,102 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
             if rows.dtype != torch.int64:
                 continue
             parts.setdefault(block_m, []).append((kernel_map, key, table, rows))
-    # Each map's buffer: its plans one after the other, each part 16-byte aligned (_plan_layout).
+    # Each map's buffer holds its plans one after the other, each part 16-byte aligned (_plan_layout).
     sizes: dict[int, int] = {}
     placed = []
     for block_m, group in parts.items():
-        for kernel_map, key, table, rows in group:
+        for kernel_map, key, _, rows in group:
             tiles, width = -(-rows.numel() // block_m), key[5] - key[4]
-            base = sizes.get(id(kernel_map), 0)
-            sizes[id(kernel_map)] = base + _plan_layout(tiles, width, block_m)[3]
-            placed.append(base)
-    buffers = {}
-    for kernel_map, _, _, _ in (part for group in parts.values() for part in group):
-        if id(kernel_map) not in buffers:
-            buffers[id(kernel_map)] = torch.empty(sizes[id(kernel_map)], dtype=torch.int32,
-                                                  device=kernel_map.neighbors.device)
+            placed.append(sizes.get(id(kernel_map), 0))
+            sizes[id(kernel_map)] = placed[-1] + _plan_layout(tiles, width, block_m)[3]
+    buffers: dict[int, _PlanBuffer] = {}
     at = iter(placed)
+    kernels = tk.kernels()
     for block_m, group in parts.items():
         meta, views, first = [], [], 0
         for kernel_map, key, table, rows in group:
+            buffer = buffers.get(id(kernel_map))
+            if buffer is None:
+                buffer = buffers[id(kernel_map)] = _PlanBuffer(torch.empty(
+                    sizes[id(kernel_map)], dtype=torch.int32, device=table.device))
             lo, hi = key[4:]
             tiles, width = -(-rows.numel() // block_m), hi - lo
-            flat = buffers[id(kernel_map)][next(at):]
+            flat = buffer.flat[next(at):]
             counts, slots, used, _ = _plan_layout(tiles, width, block_m)
-            start = flat.data_ptr()  # the kernel writes by address (4-byte int32 units below)
+            start = flat.data_ptr()  # the kernel writes by address (int32 units below, 4 bytes each)
             meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), lo, width,
-                         start, start + 4 * counts, start + 4 * slots, start + 4 * used])
-            views.append((kernel_map, key, _plan_views(flat, tiles, width, block_m)))
+                         start, start + 4 * counts, start + 4 * slots, start + 4 * used, 0])  # 96 bytes a row
+            views.append((kernel_map, key, _PlannedViews(_plan_views(flat, tiles, width, block_m), buffer), first))
             first += tiles
-        kernels = tk.kernels()
         meta_tensor = torch.tensor(meta, dtype=torch.int64).to(group[0][2].device, non_blocking=True)
         # The kernel reads the tables and orders and writes the plans by address: the maps hold them
         # (and the allocator reuses them only after this launch, in stream order).
-        widest = _width(max(hi - lo for _, (*_, lo, hi), _, _ in group))  # narrower plans mask the rest
-        launch(kernels.tile_plans, (first,), meta_tensor, len(group), BLOCK_M=block_m, WIDTH=widest)
-        for kernel_map, key, view in views:
+        options = dict(BLOCK_M=block_m, WIDTH=_width(max(hi - lo for _, (*_, lo, hi), _, _ in group)))
+        launch(kernels.tile_plans, (first,), meta_tensor, len(group), 0, 0, **options)
+        # Each map's entries are consecutive: its rebuild is this launch over them alone (from a row
+        # of the meta table, 16-byte aligned as Triton's first compile of the kernel assumed).
+        ends = [entry for _, _, _, entry in views[1:]] + [first]
+        for index, ((kernel_map, key, view, entry), end) in enumerate(zip(views, ends)):
             kernel_map.offer(key, view, releasable=True)
+            buffer = view.buffer
+            if buffer.launches and buffer.launches[-1][0] is meta_tensor:
+                launched = buffer.launches[-1]
+                buffer.launches[-1] = (meta_tensor, launched[1], launched[2] + 1, launched[3], end - launched[3],
+                                       options)
+            else:
+                buffer.launches.append((meta_tensor, index, 1, entry, end - entry, options))
 
 
 plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
+
+
+class _PlannedViews(tuple):
+    """A planned tile plan's views (what :func:`tile_plan` returns), with the map's :class:`_PlanBuffer`
+    that holds them: :meth:`release` frees its memory, :meth:`restore` rebuilds it (the view objects
+    stay: their storage is resized, as FSDP frees and refills parameters)."""
+
+    def __new__(cls, views, buffer: _PlanBuffer):
+        self = super().__new__(cls, views)
+        self.buffer = buffer
+        return self
+
+    def release(self) -> None:
+        self.buffer.release()
+
+    def restore(self) -> None:
+        self.buffer.restore()
+
+
+class _PlanBuffer:
+    """One map's planned tile plans in one int32 buffer, and how to build them again: per launch that
+    built some, (its meta table, the map's first entry there, their count, their first tile, their
+    tiles, the options)."""
+
+    __slots__ = ("flat", "address", "launches", "released")
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat, self.address, self.launches, self.released = flat, flat.data_ptr(), [], False
+
+    def release(self) -> None:
+        """Free the memory (the views keep their shapes; nothing may read them until :meth:`restore`)."""
+        if not self.released:
+            self.released = True
+            self.flat.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        """New memory for the buffer, and the plans built into it: one launch per tile height, on the
+        meta tables of the plan's launches (the map's tables and orders still at their addresses),
+        the outputs moved by the new memory's distance from the old."""
+        if not self.released:
+            return
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        self.released = False
+        shift = self.flat.data_ptr() - self.address
+        kernels = tk.kernels()
+        for meta, index, count, first, tiles, options in self.launches:
+            launch(kernels.tile_plans, (tiles,), meta[index:], count, first, shift, **options)
+
+
 
 
 def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
