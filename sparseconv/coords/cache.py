@@ -122,8 +122,13 @@ class CoordinateCache:
         keep = self._record.keep_tables
         for set_id in list(self._tables):
             if self._sets[set_id].stride not in keep:
-                del self._tables[set_id]
+                table = self._tables.pop(set_id)
                 self._dropped.add(set_id)
+                keys = self._keys.get(set_id)
+                if keys is not None and keys.untyped_storage().data_ptr() == table.keys.untyped_storage().data_ptr():
+                    # The input's keys share one allocation with its table (the checks' kernel,
+                    # CoordHashTable.build_checked): a copy of their own lets the table's go.
+                    self._keys[set_id] = keys.clone()
 
     def built_map(self, key: KernelMapKey) -> tuple[KernelMap, int] | None:
         """What :meth:`kernel_map` returns for ``key`` if that map is built already, else None

@@ -198,6 +198,9 @@ def test_a_planned_batch_drops_its_hash_tables_but_those_queried_after_the_plan(
     x = batch(device, 6)
     x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
     assert x.cache._tables == {} and len(x.cache._dropped) == 4
+    # nothing holds the input's table through its keys (one allocation in the checks' kernel)
+    keys = x.cache.keys(x.coord_id)
+    assert keys.untyped_storage().nbytes() == keys.numel() * keys.element_size()
     planned = requests(x)
     assert set(x.cache._tables) == {x.coord_id} and x.cache._record.keep_tables == {(1, 1, 1)}
     monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")

@@ -134,7 +134,7 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
         # of the meta table, 16-byte aligned as Triton's first compile of the kernel assumed).
         ends = [entry for _, _, _, entry in views[1:]] + [first]
         for index, ((kernel_map, key, view, entry), end) in enumerate(zip(views, ends)):
-            kernel_map.offer(key, view, releasable=True)
+            kernel_map.offer(key, view, releasable=view.buffer.nbytes >= RELEASE_BYTES)
             buffer = view.buffer
             if buffer.launches and buffer.launches[-1][0] is meta_tensor:
                 launched = buffer.launches[-1]
@@ -164,6 +164,11 @@ class _PlannedViews(tuple):
         self.buffer.restore()
 
 
+RELEASE_BYTES = 1 << 20
+"""A map's plans smaller than this stay through the forward pass: their memory is little, and their
+rebuild a launch like any other's (~30 µs of host time in a training step's backward)."""
+
+
 class _PlanBuffer:
     """One map's planned tile plans in one int32 buffer, and how to build them again: per launch that
     built some, (its meta table, the map's first entry there, their count, their first tile, their
@@ -173,6 +178,10 @@ class _PlanBuffer:
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat, self.address, self.launches, self.released = flat, flat.data_ptr(), [], False
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
 
     def release(self) -> None:
         """Free the memory (the views keep their shapes; nothing may read them until :meth:`restore`)."""
@@ -186,7 +195,7 @@ class _PlanBuffer:
         the outputs moved by the new memory's distance from the old."""
         if not self.released:
             return
-        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        self.flat.untyped_storage().resize_(self.nbytes)
         self.released = False
         shift = self.flat.data_ptr() - self.address
         kernels = tk.kernels()
