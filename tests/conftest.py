@@ -56,6 +56,7 @@ def fresh_map_plans(monkeypatch):
     monkeypatch.delenv("SPARSECONV_PLAN_MAPS", raising=False)
     monkeypatch.setattr(plan, "_history", {})
     monkeypatch.setattr(plan, "_failed", set())
+    monkeypatch.setattr(plan, "_trained", {})
 
 
 @pytest.fixture(autouse=True)

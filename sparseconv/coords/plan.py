@@ -60,6 +60,10 @@ class MapSpec(NamedTuple):
 
 _history: dict[tuple[str, Triple], collections.deque] = {}
 _failed: set[tuple[str, Triple]] = set()
+_trained: dict[tuple[str, Triple], dict[tuple[MapSpec, bool], int]] = {}
+"""Per device and input stride, the forward products the latest training pass made on each map: what
+a new batch's maps expect (:attr:`KernelMap.forward_left`), kept past inference batches (a validation
+pass between training steps must not cost the next step its released plans, and its memory peak)."""
 _lock = threading.Lock()
 logger = logging.getLogger("sparseconv.coords")
 
@@ -76,7 +80,7 @@ class Record:
         self.forward_counts: dict[tuple[MapSpec, bool], list[int]] = {}
         """Per (map, its adjoint?), the forward products of training passes on it (:attr:`KernelMap.forward_count`)."""
         self.expected: dict[tuple[MapSpec, bool], int] = {}
-        """What the last batches' records counted (their most): each new map's :attr:`KernelMap.forward_left`."""
+        """What the latest training pass counted (:data:`_trained`): each new map's :attr:`KernelMap.forward_left`."""
         self.keep_tables: set[Triple] = set()
         """Strides whose hash tables a query after the plan needed (here or in the last batches): the
         cache keeps them when it drops the others (:meth:`CoordinateCache._drop_tables`)."""
@@ -138,10 +142,13 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
             for spec, keys in by_spec.items():
                 views.setdefault((spec, adjoint), {}).update(keys)
     record = Record(signature)
-    for earlier_record in earlier:
-        for which, count in earlier_record.forward_counts.items():
-            record.expected[which] = max(record.expected.get(which, 0), count[0])
-        record.keep_tables |= earlier_record.keep_tables
+    with _lock:
+        for earlier_record in earlier:  # oldest first
+            counts = {which: count[0] for which, count in earlier_record.forward_counts.items() if count[0]}
+            if counts:
+                _trained[signature] = counts
+            record.keep_tables |= earlier_record.keep_tables
+        record.expected = _trained.get(signature, {})
     fresh = cache.set_count() == 1 and first.canonical and first.coords.shape[0] > 0
     if not (plan and fresh and config.plan_maps()) or signature in _failed:
         return record, {}

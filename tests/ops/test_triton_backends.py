@@ -489,11 +489,14 @@ def test_a_training_pass_frees_planned_tile_plans_after_their_maps_last_forward_
     def freed(views) -> bool:
         return all(view.untyped_storage().nbytes() == 0 for view in views)
 
-    def step(layers, coords, feats, grad):
-        x = SparseTensor(coords, feats.clone().requires_grad_())
+    def forward(layers, x):
         a = layers[0](x)
         up = layers[3](layers[2](layers[1](a)))
-        out = layers[4](a.replace(up.feats + a.feats))
+        return layers[4](a.replace(up.feats + a.feats))
+
+    def step(layers, coords, feats, grad):
+        x = SparseTensor(coords, feats.clone().requires_grad_())
+        out = forward(layers, x)
         after_forward = [freed(views) for views in held]
         out.feats.backward(grad)
         return [x.feats.grad] + [layer.weight.grad for layer in layers], after_forward
@@ -509,6 +512,10 @@ def test_a_training_pass_frees_planned_tile_plans_after_their_maps_last_forward_
         torch.manual_seed(seed)
         coords = random_coords(60 if device == "cpu" else 5000, 8 if device == "cpu" else 40, low=-3, device=device)
         feats, grad = torch.randn(len(coords), 3, device=device), torch.randn(len(coords), 2, device=device)
+        if seed == 2:  # inference batches between training steps (a validation pass) change nothing
+            with torch.no_grad():
+                for _ in range(2):
+                    forward(ours, SparseTensor(coords, feats))
         held.clear(), released.clear()
         grads, after_forward = step(ours, coords, feats, grad)
         if seed:  # planned from the batches before: every map's plans went after its last forward product
