@@ -451,6 +451,19 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
             expected = mask_views.tile_plan(copy, forward, sort, block_m, (lo, hi))
             for got, want in zip(views, expected):
                 assert got.dtype == want.dtype and torch.equal(got, want), view_key
+        # Released and restored in other memory (the freed block taken meanwhile), a map's plans of
+        # both tile heights and both offset groups come back as they were: one launch per tile height
+        # over the map's own meta rows, its outputs shifted to the new memory.
+        before = {view_key: [view.clone() for view in views] for view_key, views in offered[key].items()}
+        for views in offered[key].values():
+            views.release()
+            assert all(view.untyped_storage().nbytes() == 0 for view in views)
+        taken = torch.empty(1 << 16, dtype=torch.int32, device=device)  # the freed memory, likely
+        for view_key, views in offered[key].items():
+            views.restore()
+            for got, want in zip(views, before[view_key]):
+                assert torch.equal(got, want), view_key
+        del taken
     launches.clear()
     use(x)
     assert launches.count(kernels.tile_plan) == 1, "the layers took the planned tile plans (the dgrad's its own)"

@@ -132,16 +132,14 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
         launch(kernels.tile_plans, (first,), meta_tensor, len(group), 0, 0, **options)
         # Each map's entries are consecutive: its rebuild is this launch over them alone (from a row
         # of the meta table, 16-byte aligned as Triton's first compile of the kernel assumed).
+        spans: dict[int, list] = {}  # per map's buffer: [buffer, its first entry, entries, first tile, end tile]
         ends = [entry for _, _, _, entry in views[1:]] + [first]
         for index, ((kernel_map, key, view, entry), end) in enumerate(zip(views, ends)):
             kernel_map.offer(key, view, releasable=view.buffer.nbytes >= RELEASE_BYTES)
-            buffer = view.buffer
-            if buffer.launches and buffer.launches[-1][0] is meta_tensor:
-                launched = buffer.launches[-1]
-                buffer.launches[-1] = (meta_tensor, launched[1], launched[2] + 1, launched[3], end - launched[3],
-                                       options)
-            else:
-                buffer.launches.append((meta_tensor, index, 1, entry, end - entry, options))
+            span = spans.setdefault(id(view.buffer), [view.buffer, index, 0, entry, end])
+            span[2], span[4] = span[2] + 1, end
+        for buffer, index, count, start, end in spans.values():
+            buffer.launches.append((meta_tensor[index:], count, start, end - start, options))
 
 
 plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
@@ -171,7 +169,7 @@ rebuild a launch like any other's (~30 µs of host time in a training step's bac
 
 class _PlanBuffer:
     """One map's planned tile plans in one int32 buffer, and how to build them again: per launch that
-    built some, (its meta table, the map's first entry there, their count, their first tile, their
+    built some, (its meta table from the map's first entry, their count, their first tile, their
     tiles, the options)."""
 
     __slots__ = ("flat", "address", "launches", "released")
@@ -199,10 +197,8 @@ class _PlanBuffer:
         self.released = False
         shift = self.flat.data_ptr() - self.address
         kernels = tk.kernels()
-        for meta, index, count, first, tiles, options in self.launches:
-            launch(kernels.tile_plans, (tiles,), meta[index:], count, first, shift, **options)
-
-
+        for meta, count, first, tiles, options in self.launches:
+            launch(kernels.tile_plans, (tiles,), meta, count, first, shift, **options)
 
 
 def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
