@@ -306,18 +306,13 @@ class MapQuery(NamedTuple):
     transposed_base: int = -1
     """Where its transposed table (source rows, volume) starts in :func:`query_many`'s
     ``transposed`` (-1: not asked for)."""
-    centre: int = -1
-    """A submanifold map's centre offset (its source set is its output set, its offsets symmetric
-    about this one): only the offsets below it are probed, and each hit writes its mirror too
-    (:func:`query_many`'s ``neighbors`` must then be filled with -1); -1 for any other map."""
 
 
 def query_many(coords: torch.Tensor, offsets: torch.Tensor, table_keys: torch.Tensor, table_values: torch.Tensor,
                neighbors: torch.Tensor, queries: list[MapQuery], transposed: torch.Tensor | None = None) -> None:
     """Several kernel maps' neighbour tables in one launch (at most :data:`MAX_MAPS`, all of one
     kernel volume): what :meth:`CoordHashTable.neighbors` computes for each ``query``, written into
-    ``neighbors`` (flat int32; a query with a ``centre`` needs its part filled with -1). coords:
-    (R, 4) int32; offsets: (sum of volumes, 3) int32.
+    ``neighbors`` (flat int32). coords: (R, 4) int32; offsets: (sum of volumes, 3) int32.
     ``transposed`` (flat int32, filled with -1): where a query's ``transposed_base`` is set, its
     transposed table (what :attr:`KernelMap.transposed_neighbors` holds) is written there too."""
     if len(queries) > MAX_MAPS or len({q.volume for q in queries}) > 1:
@@ -334,8 +329,7 @@ def query_many(coords: torch.Tensor, offsets: torch.Tensor, table_keys: torch.Te
              vector([q.table_base for q in queries]), vector([q.capacity - 1 for q in queries]),
              vector([q.out_base for q in queries]),
              transposed if transposed is not None else neighbors,  # never written without a base
-             vector([q.transposed_base if transposed is not None else -1 for q in queries]),
-             vector([q.centre for q in queries])], coords.device)
+             vector([q.transposed_base if transposed is not None else -1 for q in queries])], coords.device)
 
 
 def _padded_vector(kind, length: int, values: list[int]):

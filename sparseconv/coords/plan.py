@@ -31,7 +31,7 @@ from .hashing import (
     EMPTY_KEY, MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, _capacity, _values, floor_mask, floors_by_mask,
     insert_sets, query_many, unpack_keys,
 )
-from .kernel_map import KernelMap, KernelMapKey, Triple, _nonzero, center_offset, offset_deltas
+from .kernel_map import KernelMap, KernelMapKey, Triple, _nonzero, offset_deltas
 
 if TYPE_CHECKING:
     from .cache import CoordinateCache
@@ -266,21 +266,15 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
         # A strided map's transposed table (a transposed conv's, its own dgrad's) in the same launch:
         # a submanifold map's is its own with the columns reversed (one op, KernelMap).
         at = transposed_base if one_launch and spec.stride != (1, 1, 1) else -1
-        # A submanifold map (same set both sides, an odd kernel) is symmetric about its centre: the
-        # launch probes half its offsets and writes each hit's mirror (query_many).
-        centre = center_offset(spec.kernel_size) if spec.stride == (1, 1, 1) else None
         queries.append(MapQuery(_start_in(out, coords), out.shape[0], len(geometry) * volume, volume,
-                                _start_in(source.keys, tables.keys), source.keys.shape[0], out_base, at,
-                                -1 if centre is None else centre))
+                                _start_in(source.keys, tables.keys), source.keys.shape[0], out_base, at))
         geometry.append((spec.kernel_size, _times(spec.dilation, spec.source_stride)))
         out_base += _aligned(out.shape[0] * volume)
         transposed_base += _aligned(rows_in * volume) if at >= 0 else 0
     offsets = _offset_table(tuple(geometry), coords.device)
     transposed = [None] * len(queries)
     if one_launch:
-        mirrored = any(q.centre >= 0 for q in queries)  # their unprobed entries keep this fill's -1
-        flat = (torch.full((out_base,), -1, dtype=torch.int32, device=coords.device) if mirrored
-                else torch.empty((out_base,), dtype=torch.int32, device=coords.device))
+        flat = torch.empty((out_base,), dtype=torch.int32, device=coords.device)
         flat_t = (torch.full((transposed_base,), -1, dtype=torch.int32, device=coords.device)
                   if transposed_base else None)
         query_many(coords, offsets, tables.keys, tables.values, flat, queries, flat_t)

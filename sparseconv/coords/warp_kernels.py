@@ -196,19 +196,11 @@ def define() -> SimpleNamespace:
         out_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
         transposed: wp.array(dtype=wp.int32),
         transposed_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
-        centres: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
     ):
         # Several kernel maps of one kernel volume in one launch, thread (i, k) for offset k of the
         # i-th output row of all: map m's rows are numbered from starts[m] and lie from row_bases[m]
         # of coords, its offsets from offset_bases[m], its source table from table_bases[m], its
         # (rows, volume) neighbour table from out_bases[m] of neighbors.
-        #
-        # A submanifold map (centres[m] >= 0: its source is its output set, its offsets symmetric
-        # about that centre, offset volume-1-k being -offset k) is queried for the offsets below the
-        # centre only: row i meets row j through k exactly when j meets i through volume-1-k, so the
-        # thread that finds j writes both entries, the centre's entry is the row itself, and the
-        # entries no thread writes keep the -1 the table was filled with. Half the probes, the
-        # largest part of a map's build (376 us of a 372k-row 3^3 map's, H200).
         #
         # The map of row i is the last one whose start it reaches. It is found by a loop over the
         # vectors' fixed length, which Warp unrolls, so every vector is read at a constant index:
@@ -224,7 +216,6 @@ def define() -> SimpleNamespace:
         table_mask = table_masks[0]
         out_base = out_bases[0]
         transposed_base = transposed_bases[0]
-        centre = centres[0]
         for m in range(1, MAX_MAPS):
             if wp.int64(m) < maps and index >= starts[m]:
                 start = starts[m]
@@ -234,18 +225,10 @@ def define() -> SimpleNamespace:
                 table_mask = table_masks[m]
                 out_base = out_bases[m]
                 transposed_base = transposed_bases[m]
-                centre = centres[m]
         local = index - start
-        offset = wp.int64(k)
-        if centre >= wp.int64(0) and offset >= centre:
-            if offset == centre:
-                neighbors[out_base + local * volume + offset] = wp.int32(local)
-            return
-        key = shifted_key(coords, row_base + local, offsets, offset_base + offset)
+        key = shifted_key(coords, row_base + local, offsets, offset_base + wp.int64(k))
         found = lookup(key, table_keys, table_values, table_base, table_mask)
-        neighbors[out_base + local * volume + offset] = found
-        if centre >= wp.int64(0) and found >= wp.int32(0):
-            neighbors[out_base + wp.int64(found) * volume + volume - wp.int64(1) - offset] = wp.int32(local)
+        neighbors[out_base + local * volume + wp.int64(k)] = found
         # The transposed table (source rows, volume), where asked for (base >= 0, filled with -1):
         # within an offset a source row feeds at most one output row, so no two threads meet.
         if found >= wp.int32(0) and transposed_base >= wp.int64(0):
