@@ -24,6 +24,7 @@ on CPU each rank keeps its own statistics). Rank 0 shows the progress bar and pr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         from tqdm import tqdm
 
         progress = tqdm(total=args.steps, desc=f"training on {world} {device.type} process(es)", unit="step")
-    step_seconds, compile_wait = [], 0.0
+    step_seconds, compile_wait, loss = [], 0.0, None
     for step in range(args.steps):
         if step == args.warmup_steps:
             # samples/s is the steady state: kernels still compiling in the background (the
@@ -193,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         status = 1 if disagreements else 0
     if distributed:
         # Tear the group down together and with no DDP reducer (and its gloo work) left alive, as
-        # torch's docs advise: a rank aborted at exit after destroying it alone in 2 of 7 CI runs.
-        del model, optimiser
+        # torch's docs advise: a rank aborted at exit after destroying it alone in 2 of 7 CI runs,
+        # and again (1 of 4) while the last loss was alive: its graph's gradient hooks hold the reducer.
+        del model, optimiser, loss
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
     return status
