@@ -97,13 +97,12 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
             rows = sorted_rows(kernel_map, forward, sort, (lo, hi))
             if rows.dtype != torch.int64:
                 continue
-            parts.setdefault(block_m, []).append((kernel_map, key, table, rows))
+            parts.setdefault(block_m, []).append((kernel_map, key, table, rows, -(-rows.numel() // block_m), hi - lo))
     # Each map's buffer holds its plans one after the other, each part 16-byte aligned (_plan_layout).
     sizes: dict[int, int] = {}
     placed = []
     for block_m, group in parts.items():
-        for kernel_map, key, _, rows in group:
-            tiles, width = -(-rows.numel() // block_m), key[5] - key[4]
+        for kernel_map, _, _, _, tiles, width in group:
             placed.append(sizes.get(id(kernel_map), 0))
             sizes[id(kernel_map)] = placed[-1] + _plan_layout(tiles, width, block_m)[3]
     buffers: dict[int, _PlanBuffer] = {}
@@ -111,35 +110,33 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
     kernels = tk.kernels()
     for block_m, group in parts.items():
         meta, views, first = [], [], 0
-        for kernel_map, key, table, rows in group:
+        for kernel_map, key, table, rows, tiles, width in group:
             buffer = buffers.get(id(kernel_map))
             if buffer is None:
                 buffer = buffers[id(kernel_map)] = _PlanBuffer(torch.empty(
                     sizes[id(kernel_map)], dtype=torch.int32, device=table.device))
-            lo, hi = key[4:]
-            tiles, width = -(-rows.numel() // block_m), hi - lo
             flat = buffer.flat[next(at):]
             counts, slots, used, _ = _plan_layout(tiles, width, block_m)
             start = flat.data_ptr()  # the kernel writes by address (int32 units below, 4 bytes each)
-            meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), lo, width,
+            meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), key[4], width,
                          start, start + 4 * counts, start + 4 * slots, start + 4 * used, 0])  # 96 bytes a row
-            views.append((kernel_map, key, _PlannedViews(_plan_views(flat, tiles, width, block_m), buffer), first))
+            views.append((kernel_map, key, _PlannedViews(_plan_views(flat, tiles, width, block_m), buffer),
+                          first, first + tiles))
             first += tiles
         meta_tensor = torch.tensor(meta, dtype=torch.int64).to(group[0][2].device, non_blocking=True)
         # The kernel reads the tables and orders and writes the plans by address: the maps hold them
         # (and the allocator reuses them only after this launch, in stream order).
-        options = dict(BLOCK_M=block_m, WIDTH=_width(max(hi - lo for _, (*_, lo, hi), _, _ in group)))
+        options = dict(BLOCK_M=block_m, WIDTH=_width(max(width for *_, width in group)))
         launch(kernels.tile_plans, (first,), meta_tensor, len(group), 0, 0, **options)
         # Each map's entries are consecutive: its rebuild is this launch over them alone (from a row
         # of the meta table, 16-byte aligned as Triton's first compile of the kernel assumed).
         spans: dict[int, list] = {}  # per map's buffer: [buffer, its first entry, entries, first tile, end tile]
-        ends = [entry for _, _, _, entry in views[1:]] + [first]
-        for index, ((kernel_map, key, view, entry), end) in enumerate(zip(views, ends)):
+        for index, (kernel_map, key, view, begin, end) in enumerate(views):
             kernel_map.offer(key, view, releasable=view.buffer.nbytes >= RELEASE_BYTES)
-            span = spans.setdefault(id(view.buffer), [view.buffer, index, 0, entry, end])
+            span = spans.setdefault(id(view.buffer), [view.buffer, index, 0, begin, end])
             span[2], span[4] = span[2] + 1, end
-        for buffer, index, count, start, end in spans.values():
-            buffer.launches.append((meta_tensor[index:], count, start, end - start, options))
+        for buffer, index, count, begin, end in spans.values():
+            buffer.launches.append((meta_tensor[index:], count, begin, end - begin, options))
 
 
 plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
