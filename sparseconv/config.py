@@ -33,7 +33,7 @@ VARIABLES = {
                                       "shipped tunings) but not compiled yet runs the reference while it compiles "
                                       "in worker processes | 0: compile it in the call"),
     "SPARSECONV_PLAN_MAPS": ("1 (default): a new batch builds the kernel maps the latest batches asked for at once "
-                             "(few launches, two host syncs) | 0: each map when a layer first asks for it"),
+                             "(few launches, one host sync) | 0: each map when a layer first asks for it"),
     "SPARSECONV_NVCC": "nvcc for the CUTLASS backends (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",
     "SPARSECONV_CUTLASS_DIR": "CUTLASS checkout or include directory (default: the nvidia-cutlass package's headers)",
     "SPARSECONV_DETERMINISTIC": "1: only deterministic algorithms (bitwise-repeatable runs); 0: never; "

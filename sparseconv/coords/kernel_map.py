@@ -138,10 +138,20 @@ class KernelMap:
     @functools.cached_property
     def pair_counts(self) -> list[int]:
         """Number of (input, output) pairs per offset, length K, on the host (one sync per map and
-        its adjoint together)."""
+        its adjoint together; for a planned map, a wait for the plan's copy of every map's counts,
+        which the plan started without waiting: :class:`HostCopy`)."""
         if self.transpose_of is not None:
             return self.transpose_of.pair_counts
+        copied = self.__dict__.pop("_counts_copy", None)
+        if copied is not None:
+            counts, start = copied
+            return counts.values()[start: start + self.kernel_volume]
         return self.offset_counts.tolist()
+
+    def counts_copied(self, counts: HostCopy, start: int) -> None:
+        """Where :attr:`pair_counts` will be read from: ``counts``, from ``start`` (the map plan copies
+        every map's counts at once)."""
+        self.__dict__["_counts_copy"] = (counts, start)
 
     @functools.cached_property
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -265,6 +275,36 @@ class KernelMap:
 
 
 _NONE = object()
+
+
+class HostCopy:
+    """A small device tensor's values on the host, copied without waiting for them: :meth:`values`
+    waits for the copy alone (an event recorded after it), not for the work queued since, as
+    ``tolist`` would. The map plan's pair counts: the host goes on to the views and the first
+    layers while the GPU runs the neighbour queries, instead of idling until they finish
+    (a training step's tuner keys read the counts; a layer's own build reads them at once)."""
+
+    __slots__ = ("_host", "_event", "_values")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event, self._values = None, None
+        if tensor.is_cuda:
+            # Pinned memory (torch's caching host allocator keeps it until the copy is done): a copy
+            # from pageable memory would wait for the stream.
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor
+
+    def values(self) -> list:
+        """The values as a list (the copy waited for once)."""
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._host.tolist()
+        return self._values
 
 _owners: dict[int, weakref.ref[KernelMap]] = {}
 """Table address -> the map that owns it (see :func:`owner_of`); dead entries pruned as it grows."""

@@ -31,7 +31,7 @@ from .hashing import (
     EMPTY_KEY, MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, _capacity, _values, floor_mask, floors_by_mask,
     insert_sets, query_many, unpack_keys,
 )
-from .kernel_map import KernelMap, KernelMapKey, Triple, _nonzero, offset_deltas
+from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple, _nonzero, offset_deltas
 
 if TYPE_CHECKING:
     from .cache import CoordinateCache
@@ -317,9 +317,10 @@ def _one_launch(device: torch.device) -> bool:
 
 
 def _count_pairs(maps: list[KernelMap]) -> None:
-    """Every map's pairs per offset, read in one transfer: the tuner's key needs a submanifold map's,
-    and the wgrad backends every map's (and its adjoint's, the same list), which would otherwise be
-    a host sync each in a training step's backward, with the GPU busy."""
+    """Every map's pairs per offset, copied to the host in one transfer that nothing waits for until
+    a map's :attr:`~KernelMap.pair_counts` is read: the tuner's key needs a submanifold map's, and
+    the wgrad backends every map's (and its adjoint's, the same list), which would otherwise be a
+    host sync each in a training step's backward, with the GPU busy."""
     if not maps:
         return
     counted = None if _pair_counter is None else _pair_counter(maps)
@@ -327,10 +328,10 @@ def _count_pairs(maps: list[KernelMap]) -> None:
         counted = (torch.cat([(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]),
                    list(itertools.accumulate((m.kernel_volume for m in maps[:-1]), initial=0)))
     together, starts = counted
-    flat = together.tolist()
+    copy = HostCopy(together)  # read where a tuner key or a wgrad first needs them, not here
     for kernel_map, start in zip(maps, starts):
         kernel_map.__dict__["offset_counts"] = together[start: start + kernel_map.kernel_volume]
-        kernel_map.__dict__["pair_counts"] = flat[start: start + kernel_map.kernel_volume]
+        kernel_map.counts_copied(copy, start)
 
 
 PairCounter = Callable[[list[KernelMap]], tuple[torch.Tensor, list[int]] | None]
