@@ -8,7 +8,6 @@ they are ordered with the surrounding torch work without extra synchronisation.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import threading
@@ -26,9 +25,10 @@ COORD_MIN = -(1 << (COORD_BITS - 1))
 COORD_MAX = (1 << (COORD_BITS - 1)) - 1
 EMPTY_KEY = -1
 MAX_LEVELS = 8
-"""Coordinate sets whose tables one :func:`insert_levels` launch builds."""
+"""Coordinate sets whose tables one :func:`insert_sets` launch builds (its kernel finds a key's set
+by a scan over them)."""
 MAX_MAPS = 16
-"""Kernel maps one :func:`query_maps` launch queries."""
+"""Kernel maps one :func:`query_many` launch queries (its kernel finds a row's map by a scan over them)."""
 
 
 def range_violation(coords: torch.Tensor) -> str | None:
@@ -129,21 +129,8 @@ def _launch(kernel, dim, inputs, device: torch.device) -> None:
     else:
         command.set_dim(dim)
         for index, arg in enumerate(args):
-            _set_param(command, index, arg)
+            command.set_param_at_index_from_ctype(index, arg)
     command.launch(stream)
-
-
-def _set_param(command, index: int, value) -> None:
-    """``command.set_param_at_index_from_ctype(index, value)``; a vector argument (a ctypes array)
-    is copied into the command's own with one memmove, where Warp would re-run the vector's
-    checking ``__init__`` (~20 µs on the H100 host, 27 vectors a planned batch)."""
-    slot = command.params[index + 1] if isinstance(value, ctypes.Array) else None  # params[0]: the launch bounds
-    if slot is not None and type(slot) is type(value):
-        ctypes.memmove(ctypes.addressof(slot), ctypes.addressof(value), ctypes.sizeof(value))
-        if command.fwd_args is not None:
-            command.fwd_args[index] = value
-    else:
-        command.set_param_at_index_from_ctype(index, value)
 
 
 _RECORDED = threading.local()
@@ -283,11 +270,9 @@ def insert_sets(keys: torch.Tensor, starts: list[int], table_keys: torch.Tensor,
         raise ValueError(f"insert_sets takes at most {MAX_LEVELS} sets, got {len(starts)}")
     if keys.shape[0] == 0:
         return
-    kernels = _kernels()
-    vector = functools.partial(_padded_vector, kernels.levels_vector, MAX_LEVELS)
-    _launch(kernels.insert_levels, keys.shape[0],
-            [keys, vector(starts), len(starts), vector(bases), vector([c - 1 for c in capacities]),
-             table_keys, table_values], keys.device)
+    levels = _rows_on(keys.device, [[start, base, capacity - 1]
+                                    for start, base, capacity in zip(starts, bases, capacities)])
+    _launch(_kernels().insert_levels, keys.shape[0], [keys, levels, table_keys, table_values], keys.device)
 
 
 class MapQuery(NamedTuple):
@@ -321,19 +306,16 @@ def query_many(coords: torch.Tensor, offsets: torch.Tensor, table_keys: torch.Te
     starts = [0, *itertools.accumulate(q.rows for q in queries)]
     if not queries or starts[-1] == 0 or queries[0].volume == 0:
         return
-    kernels = _kernels()
-    vector = functools.partial(_padded_vector, kernels.maps_vector, MAX_MAPS)
-    _launch(kernels.query_maps, (starts[-1], queries[0].volume),
-            [coords, offsets, table_keys, table_values, neighbors, queries[0].volume, len(queries),
-             vector(starts[:-1]), vector([q.row_base for q in queries]), vector([q.offset_base for q in queries]),
-             vector([q.table_base for q in queries]), vector([q.capacity - 1 for q in queries]),
-             vector([q.out_base for q in queries]),
-             transposed if transposed is not None else neighbors,  # never written without a base
-             vector([q.transposed_base if transposed is not None else -1 for q in queries])], coords.device)
+    rows = [[start, q.row_base, q.offset_base, q.table_base, q.capacity - 1, q.out_base,
+             q.transposed_base if transposed is not None else -1] for start, q in zip(starts, queries)]
+    _launch(_kernels().query_maps, (starts[-1], queries[0].volume),
+            [coords, offsets, table_keys, table_values, neighbors, queries[0].volume, _rows_on(coords.device, rows),
+             transposed if transposed is not None else neighbors],  # never written without a base
+            coords.device)
 
 
-def _padded_vector(kind, length: int, values: list[int]):
-    """A Warp int64 vector argument holding ``values`` (zeros after them). Warp's vectors are ctypes
-    arrays: copied from a ctypes buffer, not built through their checking ``__init__`` (1.5 against
-    5 µs, 27 vectors a planned batch)."""
-    return kind.from_buffer_copy((ctypes.c_int64 * length)(*values))
+def _rows_on(device: torch.device, rows: list[list[int]]) -> torch.Tensor:
+    """(len(rows), fields) int64 on ``device``: a launch's per-set or per-map bounds. The copy from the
+    host does not wait for the stream (a pageable buffer is staged), so it costs the host ~13 us."""
+    table = torch.tensor(rows, dtype=torch.int64)
+    return table if device.type == "cpu" else table.to(device, non_blocking=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .hashing import BATCH_MAX, COORD_BITS, COORD_MIN, MAX_LEVELS, MAX_MAPS
+from .hashing import BATCH_MAX, COORD_BITS, COORD_MIN
 
 
 def define() -> SimpleNamespace:
@@ -149,35 +149,22 @@ def define() -> SimpleNamespace:
         neighbors[i, k] = lookup(shifted_key(coords, wp.int64(i), offsets, wp.int64(k)), table_keys, table_values,
                                  wp.int64(0), mask)
 
-    # Written out in each annotation: Warp evaluates annotations against the module's globals and
-    # the kernel's closure, which holds only the names its body reads.
-    levels_vector = wp.types.vector(length=MAX_LEVELS, dtype=wp.int64)
-    maps_vector = wp.types.vector(length=MAX_MAPS, dtype=wp.int64)
-
     @wp.kernel
     def insert_levels(
         keys: wp.array(dtype=wp.int64),
-        starts: wp.types.vector(length=MAX_LEVELS, dtype=wp.int64),
-        levels: wp.int64,
-        bases: wp.types.vector(length=MAX_LEVELS, dtype=wp.int64),
-        masks: wp.types.vector(length=MAX_LEVELS, dtype=wp.int64),
+        levels: wp.array2d(dtype=wp.int64),
         table_keys: wp.array(dtype=wp.int64),
         table_values: wp.array(dtype=wp.int32),
     ):
-        # Several coordinate sets' tables in one launch: keys of set l start at starts[l], and its
-        # table holds masks[l] + 1 slots from bases[l] of the shared arrays.
+        # Several coordinate sets' tables in one launch: levels[l] = (start of set l's keys, base of
+        # its table in the shared arrays, slots - 1).
         i = wp.int64(wp.tid())
-        # The set of key i: the last one whose start it reaches, found by a loop over the vectors'
-        # fixed length, which Warp unrolls (see query_maps).
-        start = starts[0]
-        base = bases[0]
-        mask = masks[0]
-        for level in range(1, MAX_LEVELS):
-            if wp.int64(level) < levels and i >= starts[level]:
-                start = starts[level]
-                base = bases[level]
-                mask = masks[level]
-        insert_key(keys[i], wp.int32(i - start), table_keys, table_values, base, mask)
+        level = int(0)
+        for candidate in range(1, levels.shape[0]):
+            if i >= levels[candidate, 0]:
+                level = candidate
+        insert_key(keys[i], wp.int32(i - levels[level, 0]), table_keys, table_values, levels[level, 1],
+                   levels[level, 2])
 
     @wp.kernel
     def query_maps(
@@ -187,53 +174,34 @@ def define() -> SimpleNamespace:
         table_values: wp.array(dtype=wp.int32),
         neighbors: wp.array(dtype=wp.int32),
         volume: wp.int64,
-        maps: wp.int64,
-        starts: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
-        row_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
-        offset_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
-        table_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
-        table_masks: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
-        out_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
+        maps: wp.array2d(dtype=wp.int64),
         transposed: wp.array(dtype=wp.int32),
-        transposed_bases: wp.types.vector(length=MAX_MAPS, dtype=wp.int64),
     ):
         # Several kernel maps of one kernel volume in one launch, thread (i, k) for offset k of the
-        # i-th output row of all: map m's rows are numbered from starts[m] and lie from row_bases[m]
-        # of coords, its offsets from offset_bases[m], its source table from table_bases[m], its
-        # (rows, volume) neighbour table from out_bases[m] of neighbors.
+        # i-th output row of all. maps[m] = (the first of those rows that is map m's, where its rows
+        # start in coords, its offsets in offsets, its source table in the table arrays, that
+        # table's slots - 1, where its (rows, volume) neighbour table starts in neighbors, where its
+        # transposed table starts in transposed or -1).
         #
-        # The map of row i is the last one whose start it reaches. It is found by a loop over the
-        # vectors' fixed length, which Warp unrolls, so every vector is read at a constant index:
-        # read at a run-time index, a by-value kernel argument is copied to each thread's stack
-        # (768 bytes a thread here: 0.78 ms for the 2.5M threads of a 92k-row 3^3 map on an H100,
-        # 2026-11-25, where the lookups themselves take tens of microseconds).
+        # The maps' rows are read from this small array (cached after the first reads), not passed
+        # as vector arguments: read even at constant indices, eight by-value vectors made the
+        # launch 2.0-2.5x as long as the lookups alone (96 against 39 us for a 92k-row 3^3 map,
+        # 376 against 184 for a 373k-row one, H100, 2026-11-26).
         i, k = wp.tid()
         index = wp.int64(i)
-        start = starts[0]
-        row_base = row_bases[0]
-        offset_base = offset_bases[0]
-        table_base = table_bases[0]
-        table_mask = table_masks[0]
-        out_base = out_bases[0]
-        transposed_base = transposed_bases[0]
-        for m in range(1, MAX_MAPS):
-            if wp.int64(m) < maps and index >= starts[m]:
-                start = starts[m]
-                row_base = row_bases[m]
-                offset_base = offset_bases[m]
-                table_base = table_bases[m]
-                table_mask = table_masks[m]
-                out_base = out_bases[m]
-                transposed_base = transposed_bases[m]
-        local = index - start
-        key = shifted_key(coords, row_base + local, offsets, offset_base + wp.int64(k))
-        found = lookup(key, table_keys, table_values, table_base, table_mask)
-        neighbors[out_base + local * volume + wp.int64(k)] = found
+        m = int(0)
+        for candidate in range(1, maps.shape[0]):
+            if index >= maps[candidate, 0]:
+                m = candidate
+        local = index - maps[m, 0]
+        key = shifted_key(coords, maps[m, 1] + local, offsets, maps[m, 2] + wp.int64(k))
+        found = lookup(key, table_keys, table_values, maps[m, 3], maps[m, 4])
+        neighbors[maps[m, 5] + local * volume + wp.int64(k)] = found
         # The transposed table (source rows, volume), where asked for (base >= 0, filled with -1):
         # within an offset a source row feeds at most one output row, so no two threads meet.
+        transposed_base = maps[m, 6]
         if found >= wp.int32(0) and transposed_base >= wp.int64(0):
             transposed[transposed_base + wp.int64(found) * volume + wp.int64(k)] = wp.int32(local)
 
     return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
-                           insert_levels=insert_levels, query_maps=query_maps, levels_vector=levels_vector,
-                           maps_vector=maps_vector)
+                           insert_levels=insert_levels, query_maps=query_maps)
