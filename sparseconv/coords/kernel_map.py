@@ -306,6 +306,7 @@ class HostCopy:
             self._values = self._host.tolist()
         return self._values
 
+
 _owners: dict[int, weakref.ref[KernelMap]] = {}
 """Table address -> the map that owns it (see :func:`owner_of`); dead entries pruned as it grows."""
 _prune_at = 1024
