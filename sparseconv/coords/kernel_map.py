@@ -292,9 +292,9 @@ class HostCopy:
             # Pinned memory (torch's caching host allocator keeps it until the copy is done): a copy
             # from pageable memory would wait for the stream.
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
+            self._host.copy_(tensor, non_blocking=True)  # on the tensor's device's current stream
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tensor.device))
         else:
             self._host = tensor
 
