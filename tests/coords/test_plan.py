@@ -10,6 +10,7 @@ from sparse_reference import random_coords
 
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey, hashing, offset_deltas, plan
+from sparseconv.coords import kernel_map as kernel_map_module
 from sparseconv.coords.hashing import CoordHashTable, MapQuery, pack_coords
 
 # A small U-Net's requests: submanifold 3^3 on four levels, k2 s2 down between them, the k2 s2
@@ -210,3 +211,23 @@ def test_a_planned_batch_drops_its_hash_tables_but_those_queried_after_the_plan(
     z = batch(device, 7)
     z.cache.kernel_map(KernelMapKey(z.coord_id, *SUBM))
     assert set(z.cache._tables) == {z.coord_id} and len(z.cache._dropped) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_planned_pair_counts_wait_for_their_copy_when_the_gpu_is_behind(monkeypatch):
+    # The plan copies the counts without waiting; a reader waits for that copy. With the copy queued
+    # behind ~50 ms of GPU work, reading the pinned buffer without that wait would see garbage.
+    requests(batch("cuda", 0))
+    x = batch("cuda", 5)
+    start = kernel_map_module.HostCopy.__init__
+
+    def behind(self, tensor):
+        torch.cuda._sleep(100_000_000)
+        start(self, tensor)
+
+    monkeypatch.setattr(kernel_map_module.HostCopy, "__init__", behind)
+    x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
+    planned = [kernel_map for kernel_map, _ in x.cache._planned.values()]
+    read = [kernel_map.pair_counts for kernel_map in planned]
+    assert read == [(kernel_map.neighbors >= 0).sum(0).tolist() for kernel_map in planned]
