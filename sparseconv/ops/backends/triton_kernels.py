@@ -231,9 +231,31 @@ def _define() -> SimpleNamespace:
         return (tl.load(meta + 1).to(tl.pointer_type(tl.int32)), tl.load(meta + 2).to(tl.pointer_type(tl.int64)),
                 tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6))
 
+    @triton.jit
+    def _plan_tile(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, tile, rows, row_stride, lo,
+                   width, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+        """One tile of BLOCK_M visited rows: which offsets of [lo, lo + width) it uses, their list
+        (used first, each part in offset order) and count, and per list slot its rows' sources."""
+        tile = tile.to(tl.int64)
+        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        k = tl.arange(0, WIDTH)
+        row = tl.load(order_ptr + i, mask=i < rows, other=0)
+        ok = (i[:, None] < rows) & (k[None, :] < width)
+        source = tl.load(table_ptr + row[:, None].to(tl.int64) * row_stride + lo + k[None, :], mask=ok, other=-1)
+        used = (tl.max(source, axis=0) >= 0).to(tl.int32)
+        count = tl.sum(used, axis=0)
+        unused = tl.where(k < width, 1 - used, 0)
+        slot = tl.where(used > 0, tl.cumsum(used, axis=0) - 1, count + tl.cumsum(unused, axis=0) - 1)
+        tl.store(used_ptr + tile * width + k, used.to(used_ptr.dtype.element_ty), mask=k < width)
+        tl.store(list_ptr + tile * width + slot, (lo + k).to(list_ptr.dtype.element_ty), mask=k < width)
+        tl.store(count_ptr + tile, count)
+        at = tile * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
+
     # Triton's interpreter runs a kernel's source again against its module's globals, not the closure
     # that defines it here: the helpers the kernels call must be found there too.
-    globals().update(_entry=_entry, _rarity=_rarity, _masks=_masks, _table_fields=_table_fields)
+    globals().update(_entry=_entry, _rarity=_rarity, _masks=_masks, _table_fields=_table_fields,
+                     _plan_tile=_plan_tile)
 
     @triton.jit(do_not_specialize=["rows", "row_stride", "stride", "b0", "b1", "b2", "b3"])
     def row_masks(table_ptr, count_ptr, out_ptr, rows, row_stride, stride, b0, b1, b2, b3,
@@ -299,23 +321,9 @@ def _define() -> SimpleNamespace:
     @triton.jit(do_not_specialize=["rows", "lo", "width"])
     def tile_plan(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, rows, row_stride, lo, width,
                   BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-        """One tile of BLOCK_M visited rows: which offsets of [lo, lo + width) it uses, their list
-        (used first, each part in offset order) and count, and per list slot its rows' sources."""
-        tile = tl.program_id(0)
-        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        k = tl.arange(0, WIDTH)
-        row = tl.load(order_ptr + i, mask=i < rows, other=0)
-        ok = (i[:, None] < rows) & (k[None, :] < width)
-        source = tl.load(table_ptr + row[:, None].to(tl.int64) * row_stride + lo + k[None, :], mask=ok, other=-1)
-        used = (tl.max(source, axis=0) >= 0).to(tl.int32)
-        count = tl.sum(used, axis=0)
-        unused = tl.where(k < width, 1 - used, 0)
-        slot = tl.where(used > 0, tl.cumsum(used, axis=0) - 1, count + tl.cumsum(unused, axis=0) - 1)
-        tl.store(used_ptr + tile.to(tl.int64) * width + k, used.to(used_ptr.dtype.element_ty), mask=k < width)
-        tl.store(list_ptr + tile.to(tl.int64) * width + slot, lo + k, mask=k < width)
-        tl.store(count_ptr + tile, count)
-        at = tile.to(tl.int64) * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
+        """One tile of one (table, row order) pair's plan (:func:`_plan_tile`) a program."""
+        _plan_tile(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, tl.program_id(0), rows,
+                   row_stride, lo, width, BLOCK_M, WIDTH)
 
     @triton.jit(do_not_specialize=["plans", "first", "shift"])
     def tile_plans(meta_ptr, plans, first, shift, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
@@ -327,24 +335,11 @@ def _define() -> SimpleNamespace:
         buffer's new memory: planned_views._PlanBuffer), and a pad (each entry 16-byte aligned)."""
         meta, _, tile = _entry(meta_ptr, plans, 12, first)
         table_ptr, order_ptr, rows, row_stride, lo, width = _table_fields(meta)
-        list_ptr = (tl.load(meta + 7) + shift).to(tl.pointer_type(tl.int32))
-        count_ptr = (tl.load(meta + 8) + shift).to(tl.pointer_type(tl.int32))
-        slots_ptr = (tl.load(meta + 9) + shift).to(tl.pointer_type(tl.int32))
-        used_ptr = (tl.load(meta + 10) + shift).to(tl.pointer_type(tl.int8))
-        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        k = tl.arange(0, WIDTH)
-        row = tl.load(order_ptr + i, mask=i < rows, other=0)
-        ok = (i[:, None] < rows) & (k[None, :] < width)
-        source = tl.load(table_ptr + row[:, None] * row_stride + lo + k[None, :], mask=ok, other=-1)
-        used = (tl.max(source, axis=0) >= 0).to(tl.int32)
-        count = tl.sum(used, axis=0)
-        unused = tl.where(k < width, 1 - used, 0)
-        slot = tl.where(used > 0, tl.cumsum(used, axis=0) - 1, count + tl.cumsum(unused, axis=0) - 1)
-        tl.store(used_ptr + tile * width + k, used.to(tl.int8), mask=k < width)
-        tl.store(list_ptr + tile * width + slot, (lo + k).to(tl.int32), mask=k < width)
-        tl.store(count_ptr + tile, count)
-        at = tile * width * BLOCK_M + slot[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        tl.store(slots_ptr + at, source, mask=(k < width)[None, :])
+        _plan_tile(table_ptr, order_ptr, (tl.load(meta + 10) + shift).to(tl.pointer_type(tl.int8)),
+                   (tl.load(meta + 7) + shift).to(tl.pointer_type(tl.int32)),
+                   (tl.load(meta + 8) + shift).to(tl.pointer_type(tl.int32)),
+                   (tl.load(meta + 9) + shift).to(tl.pointer_type(tl.int32)),
+                   tile, rows, row_stride, lo, width, BLOCK_M, WIDTH)
 
     @triton.jit(do_not_specialize=["rows", "width", "blocks"])
     def pair_blocks(table_ptr, counts_ptr, rows, width, blocks, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
