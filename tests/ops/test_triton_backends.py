@@ -452,17 +452,22 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
             for got, want in zip(views, expected):
                 assert got.dtype == want.dtype and torch.equal(got, want), view_key
         # Released and restored in other memory (the freed block taken meanwhile), a map's plans of
-        # both tile heights and both offset groups come back as they were: one launch per tile height
-        # over the map's own meta rows, its outputs shifted to the new memory.
+        # both tile heights and both offset groups come back as they were, each alone when read: one
+        # launch over the plan's own meta row, its outputs shifted to the new memory; the map's other
+        # plans stay released until they are read.
         before = {view_key: [view.clone() for view in views] for view_key, views in offered[key].items()}
         for views in offered[key].values():
             views.release()
             assert all(view.untyped_storage().nbytes() == 0 for view in views)
         taken = torch.empty(1 << 16, dtype=torch.int32, device=device)  # the freed memory, likely
-        for view_key, views in offered[key].items():
+        for restored, (view_key, views) in enumerate(offered[key].items()):
+            launches.clear()
             views.restore()
+            assert launches == [kernels.tile_plans], view_key
             for got, want in zip(views, before[view_key]):
                 assert torch.equal(got, want), view_key
+            for later in list(offered[key].values())[restored + 1:]:
+                assert all(view.untyped_storage().nbytes() == 0 for view in later), "restored alone"
         del taken
     launches.clear()
     use(x)

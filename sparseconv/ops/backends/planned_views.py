@@ -74,11 +74,12 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
     """The plan's view builder for tile plans (after :func:`build_planned_orders`, whose orders they
     read): every forward :func:`tile_plan` the last batches' layers used on the new maps, built by one
     ``tile_plans`` launch per tile height, where each layer made a launch of its own (~70 µs of host
-    time each on an H100 host; a MinkUNet training step builds ~29). Each map's plans share a
-    :class:`_PlanBuffer`, offered with them as releasable (:meth:`KernelMap.offer`): after the map's
-    last forward product of a training pass its memory goes, and the dgrad that reads the plans
-    has them rebuilt in it (a U-Net holds every coarse level's plans at its memory peak, the fine
-    end of its decoder, otherwise). Equal to what tile_plan builds."""
+    time each on an H100 host; a MinkUNet training step builds ~29). Each plan has a :class:`_PlanBuffer`
+    of its own, offered with it as releasable (:meth:`KernelMap.offer`): after the map's last forward
+    product of a training pass their memory goes, and a dgrad that reads a plan has that one rebuilt
+    (a U-Net holds every coarse level's plans at its memory peak, the fine end of its decoder,
+    otherwise; restoring a map's plans together put all of the fine map's, 117 MiB at street4, back
+    at that peak for the one its first dgrad reads). Equal to what tile_plan builds."""
     parts: dict[int, list] = {}  # by tile height
     for kernel_map, keys in wanted:
         for key in keys:
@@ -98,53 +99,38 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
             if rows.dtype != torch.int64:
                 continue
             parts.setdefault(block_m, []).append((kernel_map, key, table, rows, -(-rows.numel() // block_m), hi - lo))
-    # Each map's buffer holds its plans one after the other, each part 16-byte aligned (_plan_layout).
-    sizes: dict[int, int] = {}
-    placed = []
-    for block_m, group in parts.items():
-        for kernel_map, _, _, _, tiles, width in group:
-            placed.append(sizes.get(id(kernel_map), 0))
-            sizes[id(kernel_map)] = placed[-1] + _plan_layout(tiles, width, block_m)[3]
-    buffers: dict[int, _PlanBuffer] = {}
-    at = iter(placed)
     kernels = tk.kernels()
     for block_m, group in parts.items():
         meta, views, first = [], [], 0
         for kernel_map, key, table, rows, tiles, width in group:
-            buffer = buffers.get(id(kernel_map))
-            if buffer is None:
-                buffer = buffers[id(kernel_map)] = _PlanBuffer(torch.empty(
-                    sizes[id(kernel_map)], dtype=torch.int32, device=table.device))
-            flat = buffer.flat[next(at):]
-            counts, slots, used, _ = _plan_layout(tiles, width, block_m)
-            start = flat.data_ptr()  # the kernel writes by address (int32 units below, 4 bytes each)
+            # Each plan in a buffer of its own (its parts 16-byte aligned, _plan_layout): a dgrad that
+            # reads one plan of a released map has that one restored, not the map's others with it.
+            counts, slots, used, size = _plan_layout(tiles, width, block_m)
+            buffer = _PlanBuffer(torch.empty(size, dtype=torch.int32, device=table.device))
+            start = buffer.address  # the kernel writes by address (int32 units below, 4 bytes each)
             meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), key[4], width,
                          start, start + 4 * counts, start + 4 * slots, start + 4 * used, 0])  # 96 bytes a row
-            views.append((kernel_map, key, _PlannedViews(_plan_views(flat, tiles, width, block_m), buffer),
-                          first, first + tiles))
+            views.append((kernel_map, key, _PlannedViews(_plan_views(buffer.flat, tiles, width, block_m), buffer),
+                          first, tiles))
             first += tiles
         meta_tensor = torch.tensor(meta, dtype=torch.int64).to(group[0][2].device, non_blocking=True)
         # The kernel reads the tables and orders and writes the plans by address: the maps hold them
         # (and the allocator reuses them only after this launch, in stream order).
         options = dict(BLOCK_M=block_m, WIDTH=_width(max(width for *_, width in group)))
         launch(kernels.tile_plans, (first,), meta_tensor, len(group), 0, 0, **options)
-        # Each map's entries are consecutive: its rebuild is this launch over them alone (from a row
-        # of the meta table, 16-byte aligned as Triton's first compile of the kernel assumed).
-        spans: dict[int, list] = {}  # per map's buffer: [buffer, its first entry, entries, first tile, end tile]
-        for index, (kernel_map, key, view, begin, end) in enumerate(views):
+        for index, (kernel_map, key, view, begin, tiles) in enumerate(views):
             kernel_map.offer(key, view, releasable=view.buffer.nbytes >= RELEASE_BYTES)
-            span = spans.setdefault(id(view.buffer), [view.buffer, index, 0, begin, end])
-            span[2], span[4] = span[2] + 1, end
-        for buffer, index, count, begin, end in spans.values():
-            buffer.launches.append((meta_tensor[index:], count, begin, end - begin, options))
+            # Its rebuild: this launch over its own entry alone (a row of the meta table, 16-byte
+            # aligned as Triton's first compile of the kernel assumed).
+            view.buffer.launch = (meta_tensor[index:], begin, tiles, options)
 
 
 plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
 
 
 class _PlannedViews(tuple):
-    """A planned tile plan's views (what :func:`tile_plan` returns), with the map's :class:`_PlanBuffer`
-    that holds them: :meth:`release` frees its memory, :meth:`restore` rebuilds it (the view objects
+    """A planned tile plan's views (what :func:`tile_plan` returns), with the :class:`_PlanBuffer` that
+    holds them: :meth:`release` frees its memory, :meth:`restore` rebuilds it (the view objects
     stay: their storage is resized, as FSDP frees and refills parameters)."""
 
     def __new__(cls, views, buffer: _PlanBuffer):
@@ -160,20 +146,19 @@ class _PlannedViews(tuple):
 
 
 RELEASE_BYTES = 1 << 20
-"""A map's plans smaller than this stay through the forward pass: their memory is little, and their
-rebuild a launch in backward like a larger map's (all rebuilds together: a step 0.985-1.023x as
-long as without releases, H200, street1 to street4)."""
+"""A plan smaller than this stays through the forward pass: its memory is little, and its rebuild a
+launch in backward like a larger one's (all rebuilds together: a step 0.985-1.023x as long as without
+releases, H200, street1 to street4)."""
 
 
 class _PlanBuffer:
-    """One map's planned tile plans in one int32 buffer, and how to build them again: per launch that
-    built some, (its meta table from the map's first entry, their count, their first tile, their
-    tiles, the options)."""
+    """One planned tile plan's int32 buffer, and how to build it again: (the meta table from the plan's
+    entry of the launch that built it, its first tile there, its tiles, the options)."""
 
-    __slots__ = ("flat", "address", "launches", "released")
+    __slots__ = ("flat", "address", "launch", "released")
 
     def __init__(self, flat: torch.Tensor) -> None:
-        self.flat, self.address, self.launches, self.released = flat, flat.data_ptr(), [], False
+        self.flat, self.address, self.launch, self.released = flat, flat.data_ptr(), None, False
 
     @property
     def nbytes(self) -> int:
@@ -186,17 +171,15 @@ class _PlanBuffer:
             self.flat.untyped_storage().resize_(0)
 
     def restore(self) -> None:
-        """New memory for the buffer, and the plans built into it: one launch per tile height, on the
-        meta tables of the plan's launches (the map's tables and orders still at their addresses),
-        the outputs moved by the new memory's distance from the old."""
+        """New memory for the buffer, and the plan built into it: one launch on the meta table of the
+        plan's launch (the map's table and order still at their addresses), the outputs moved by the
+        new memory's distance from the old."""
         if not self.released:
             return
         self.flat.untyped_storage().resize_(self.nbytes)
         self.released = False
-        shift = self.flat.data_ptr() - self.address
-        kernels = tk.kernels()
-        for meta, count, first, tiles, options in self.launches:
-            launch(kernels.tile_plans, (tiles,), meta, count, first, shift, **options)
+        meta, first, tiles, options = self.launch
+        launch(tk.kernels().tile_plans, (tiles,), meta, 1, first, self.flat.data_ptr() - self.address, **options)
 
 
 def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:

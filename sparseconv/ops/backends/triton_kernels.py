@@ -331,8 +331,8 @@ def _define() -> SimpleNamespace:
         program's tile is the plan's whose first tile (meta field 0) it is at or past, counting from
         ``first``. Per plan, 12 int64 (planned_views.build_planned_tile_plans writes them): first
         tile, table and order addresses, rows, row stride, lo, width, and the addresses of its lists,
-        counts, slots and used flags, written ``shift`` bytes further (a map's plans rebuilt into its
-        buffer's new memory: planned_views._PlanBuffer), and a pad (each entry 16-byte aligned)."""
+        counts, slots and used flags, written ``shift`` bytes further (a plan rebuilt into its buffer's
+        new memory: planned_views._PlanBuffer), and a pad (each entry 16-byte aligned)."""
         meta, _, tile = _entry(meta_ptr, plans, 12, first)
         table_ptr, order_ptr, rows, row_stride, lo, width = _table_fields(meta)
         _plan_tile(table_ptr, order_ptr, (tl.load(meta + 10) + shift).to(tl.pointer_type(tl.int8)),
