@@ -125,6 +125,37 @@ def test_hash_table_finds_every_key_and_nothing_else_at_the_range_limits(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_replayed_warp_launches_find_what_warps_own_setters_find(device, monkeypatch):
+    # After a kernel's first launch, later ones write their bounds and arguments into the recorded
+    # command's own structures (hashing._Replay). With this Warp the writes must take (bytes equal to
+    # Warp's packing) and give, launch after launch of other sizes, what a replay through Warp's
+    # setters gives.
+    from sparseconv.coords import hashing
+
+    def lookups(rows_count: int, probes: int):
+        rows = torch.randint(0, 40, (rows_count, 4), dtype=torch.int32).unique(dim=0).to(device)
+        probe = torch.tensor([[0, 0, 0], [1, 0, 0], [0, -1, 1]], dtype=torch.int32, device=device)[:probes]
+        return CoordHashTable.build(rows).neighbors(rows, probe)
+
+    torch.manual_seed(0)
+    sizes = [(500, 3), (3000, 2), (50, 3), (1200, 1)]
+    monkeypatch.setattr(hashing._RECORDED, "commands", {}, raising=False)  # this thread's, recorded anew
+    lookups(10, 3)
+    replays = list(hashing._RECORDED.commands.values())
+    assert len(replays) == 2 and all(r.views is not None and r.kernel_dim for r in replays), "in place with this Warp"
+    torch.manual_seed(1)
+    fast = [lookups(n, probes).cpu() for n, probes in sizes]
+    # Recorded again, replayed through Warp's set_dim / set_param_at_index_from_ctype
+    monkeypatch.setattr(hashing._RECORDED, "commands", {})
+    monkeypatch.setattr(hashing._Replay, "of", classmethod(lambda cls, command, inputs, dim: cls(command, None, None)))
+    torch.manual_seed(1)
+    slow = [lookups(n, probes).cpu() for n, probes in sizes]
+    for got, want in zip(fast, slow):
+        assert torch.equal(got, want)
+        assert torch.equal(got[:, 0], torch.arange(len(got), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_tables_built_on_several_threads_at_once_find_their_own_keys(device):
     # Warp launches replay a recorded command whose arguments are set in place (one per thread):
     # threads building tables of different sizes at once must each get their own results.

@@ -118,11 +118,11 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
         # (and the allocator reuses them only after this launch, in stream order).
         options = dict(BLOCK_M=block_m, WIDTH=_width(max(width for *_, width in group)))
         launch(kernels.tile_plans, (first,), meta_tensor, len(group), 0, 0, **options)
-        for index, (kernel_map, key, view, begin, tiles) in enumerate(views):
+        # Each plan's rebuild: this launch over its own entry alone (its row of the meta table, 16-byte
+        # aligned as Triton's first compile of the kernel assumed).
+        for (kernel_map, key, view, begin, tiles), row in zip(views, meta_tensor.unbind(0)):
             kernel_map.offer(key, view, releasable=view.buffer.nbytes >= RELEASE_BYTES)
-            # Its rebuild: this launch over its own entry alone (a row of the meta table, 16-byte
-            # aligned as Triton's first compile of the kernel assumed).
-            view.buffer.launch = (meta_tensor[index:], begin, tiles, options)
+            view.buffer.launch = (row, begin, tiles, options)
 
 
 plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
