@@ -260,7 +260,10 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
     queries, out_base, transposed_base, geometry = [], 0, 0, []
     outs = [cache.coord_set(ids[spec.output_stride]).coords for spec in specs]
     sources = [cache.table(ids[spec.source_stride]) for spec in specs]
-    one_launch = _one_launch(coords.device)
+    # A submanifold map alone in its group takes the one-map kernel (its bounds as arguments, no
+    # table of them to copy to the device; a strided map's transposed table comes only from the
+    # batched kernel)
+    one_launch = _one_launch(coords.device) and (len(specs) > 1 or specs[0].stride != (1, 1, 1))
     for spec, out, source in zip(specs, outs, sources):
         volume, rows_in = math.prod(spec.kernel_size), _rows_in(cache, ids, spec)
         # A strided map's transposed table (a transposed conv's, its own dgrad's) in the same launch:
@@ -323,8 +326,11 @@ def _count_pairs(maps: list[KernelMap]) -> None:
     host sync each in a training step's backward, with the GPU busy."""
     if not maps:
         return
-    counted = None if _pair_counter is None else _pair_counter(maps)
-    if counted is None:
+    # One map: two torch ops (a batched count would copy its table of bounds to the device first)
+    counted = None if _pair_counter is None or len(maps) == 1 else _pair_counter(maps)
+    if counted is None and len(maps) == 1:
+        counted = (maps[0].neighbors.ge(0).sum(0), [0])
+    elif counted is None:
         counted = (torch.cat([(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]),
                    list(itertools.accumulate((m.kernel_volume for m in maps[:-1]), initial=0)))
     together, starts = counted

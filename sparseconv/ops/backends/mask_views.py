@@ -354,4 +354,4 @@ def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequenc
         args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, block_m)
         warm(kernels.tile_plan, device, *args, **options)
         # the same plans built by the map plan, with others of this tile height (the widest sets WIDTH)
-        warm(kernels.tile_plans, device, i64, 2, 0, 0, BLOCK_M=block_m, WIDTH=_width(width))
+        warm(kernels.tile_plans, device, i64, 2, BLOCK_M=block_m, WIDTH=_width(width))

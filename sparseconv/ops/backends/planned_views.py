@@ -17,7 +17,8 @@ from ...coords import plan
 from ...coords.kernel_map import KernelMap
 from . import triton_kernels as tk
 from .mask_views import (
-    MASK_ROWS, PLANNED_SHIFT, _pair_block, _plan_layout, _plan_views, _rows_key, _width, fused, product_table,
+    MASK_ROWS, PLANNED_SHIFT, _pair_block, _plan_launch, _plan_layout, _plan_views, _rows_key, _width, fused,
+    product_table,
     sorted_rows,
 )
 from .triton_launch import launch
@@ -101,28 +102,26 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
             parts.setdefault(block_m, []).append((kernel_map, key, table, rows, -(-rows.numel() // block_m), hi - lo))
     kernels = tk.kernels()
     for block_m, group in parts.items():
-        meta, views, first = [], [], 0
+        meta, first = [], 0
         for kernel_map, key, table, rows, tiles, width in group:
             # Each plan in a buffer of its own (its parts 16-byte aligned, _plan_layout): a dgrad that
             # reads one plan of a released map has that one restored, not the map's others with it.
             counts, slots, used, size = _plan_layout(tiles, width, block_m)
-            buffer = _PlanBuffer(torch.empty(size, dtype=torch.int32, device=table.device))
-            start = buffer.address  # the kernel writes by address (int32 units below, 4 bytes each)
+            flat = torch.empty(size, dtype=torch.int32, device=table.device)
+            buffer = _PlanBuffer(flat, _plan_views(flat, tiles, width, block_m), table, rows, key[4], block_m)
+            kernel_map.offer(key, _PlannedViews(buffer.views, buffer), releasable=buffer.nbytes >= RELEASE_BYTES)
+            start = flat.data_ptr()  # the kernel writes by address (int32 units below, 4 bytes each)
             meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), key[4], width,
                          start, start + 4 * counts, start + 4 * slots, start + 4 * used, 0])  # 96 bytes a row
-            views.append((kernel_map, key, _PlannedViews(_plan_views(buffer.flat, tiles, width, block_m), buffer),
-                          first, tiles))
             first += tiles
+        if len(group) == 1:  # the one-plan kernel: no table of addresses to copy to the device
+            buffer.build()
+            continue
         meta_tensor = torch.tensor(meta, dtype=torch.int64).to(group[0][2].device, non_blocking=True)
         # The kernel reads the tables and orders and writes the plans by address: the maps hold them
         # (and the allocator reuses them only after this launch, in stream order).
-        options = dict(BLOCK_M=block_m, WIDTH=_width(max(width for *_, width in group)))
-        launch(kernels.tile_plans, (first,), meta_tensor, len(group), 0, 0, **options)
-        # Each plan's rebuild: this launch over its own entry alone (its row of the meta table, 16-byte
-        # aligned as Triton's first compile of the kernel assumed).
-        for (kernel_map, key, view, begin, tiles), row in zip(views, meta_tensor.unbind(0)):
-            kernel_map.offer(key, view, releasable=view.buffer.nbytes >= RELEASE_BYTES)
-            view.buffer.launch = (row, begin, tiles, options)
+        launch(kernels.tile_plans, (first,), meta_tensor, len(group), BLOCK_M=block_m,
+               WIDTH=_width(max(width for *_, width in group)))
 
 
 plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
@@ -152,13 +151,16 @@ releases, H200, street1 to street4)."""
 
 
 class _PlanBuffer:
-    """One planned tile plan's int32 buffer, and how to build it again: (the meta table from the plan's
-    entry of the launch that built it, its first tile there, its tiles, the options)."""
+    """One planned tile plan's int32 buffer, its views (slices of it: :func:`tile_plan`'s), and what
+    builds the plan again into it: the product's table and row order (the map holds them), the offset
+    group's start, the tile height."""
 
-    __slots__ = ("flat", "address", "launch", "released")
+    __slots__ = ("flat", "views", "table", "rows", "lo", "block_m", "released")
 
-    def __init__(self, flat: torch.Tensor) -> None:
-        self.flat, self.address, self.launch, self.released = flat, flat.data_ptr(), None, False
+    def __init__(self, flat: torch.Tensor, views: tuple, table: torch.Tensor, rows: torch.Tensor, lo: int,
+                 block_m: int) -> None:
+        self.flat, self.views, self.table, self.rows, self.lo, self.block_m = flat, views, table, rows, lo, block_m
+        self.released = False
 
     @property
     def nbytes(self) -> int:
@@ -171,15 +173,19 @@ class _PlanBuffer:
             self.flat.untyped_storage().resize_(0)
 
     def restore(self) -> None:
-        """New memory for the buffer, and the plan built into it: one launch on the meta table of the
-        plan's launch (the map's table and order still at their addresses), the outputs moved by the
-        new memory's distance from the old."""
+        """New memory for the buffer (the views, its slices, follow it), and the plan built into it."""
         if not self.released:
             return
         self.flat.untyped_storage().resize_(self.nbytes)
         self.released = False
-        meta, first, tiles, options = self.launch
-        launch(tk.kernels().tile_plans, (tiles,), meta, 1, first, self.flat.data_ptr() - self.address, **options)
+        self.build()
+
+    def build(self) -> None:
+        """The plan into the buffer: one ``tile_plan`` launch (what :func:`tile_plan` launches)."""
+        used, offsets, counts, slots = self.views
+        args, options = _plan_launch(self.table, self.rows, used, offsets, counts, slots, self.rows.numel(),
+                                     self.table.stride(0), self.lo, offsets.shape[1], self.block_m)
+        launch(tk.kernels().tile_plan, (offsets.shape[0],), *args, **options)
 
 
 def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:

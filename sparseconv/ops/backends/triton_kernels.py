@@ -190,11 +190,11 @@ def _define() -> SimpleNamespace:
             tl.store(dw_ptr + at, acc.to(dw_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _entry(meta_ptr, entries, FIELDS: tl.constexpr, first=0):
+    def _entry(meta_ptr, entries, FIELDS: tl.constexpr):
         """A batched launch's entry for this program: (its FIELDS int64 of the meta table, its
         index, the program's block within it); the entry is the last whose first block (field 0)
-        the program (the ``first`` block's, plus its id) is at or past."""
-        block = tl.program_id(0).to(tl.int64) + first
+        the program's id is at or past."""
+        block = tl.program_id(0).to(tl.int64)
         e = tl.program_id(0) * 0
         for q in range(1, entries):
             e = tl.where(tl.load(meta_ptr + q * FIELDS) <= block, q, e)
@@ -325,20 +325,19 @@ def _define() -> SimpleNamespace:
         _plan_tile(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, tl.program_id(0), rows,
                    row_stride, lo, width, BLOCK_M, WIDTH)
 
-    @triton.jit(do_not_specialize=["plans", "first", "shift"])
-    def tile_plans(meta_ptr, plans, first, shift, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    @triton.jit(do_not_specialize=["plans"])
+    def tile_plans(meta_ptr, plans, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
         """tile_plan for several (table, row order) pairs of one tile height in one launch: the
-        program's tile is the plan's whose first tile (meta field 0) it is at or past, counting from
-        ``first``. Per plan, 12 int64 (planned_views.build_planned_tile_plans writes them): first
-        tile, table and order addresses, rows, row stride, lo, width, and the addresses of its lists,
-        counts, slots and used flags, written ``shift`` bytes further (a plan rebuilt into its buffer's
-        new memory: planned_views._PlanBuffer), and a pad (each entry 16-byte aligned)."""
-        meta, _, tile = _entry(meta_ptr, plans, 12, first)
+        program's tile is the plan's whose first tile (meta field 0) it is at or past. Per plan,
+        12 int64 (planned_views.build_planned_tile_plans writes them): first tile, table and order
+        addresses, rows, row stride, lo, width, and the addresses of its lists, counts, slots and
+        used flags, and a pad (each entry 16-byte aligned)."""
+        meta, _, tile = _entry(meta_ptr, plans, 12)
         table_ptr, order_ptr, rows, row_stride, lo, width = _table_fields(meta)
-        _plan_tile(table_ptr, order_ptr, (tl.load(meta + 10) + shift).to(tl.pointer_type(tl.int8)),
-                   (tl.load(meta + 7) + shift).to(tl.pointer_type(tl.int32)),
-                   (tl.load(meta + 8) + shift).to(tl.pointer_type(tl.int32)),
-                   (tl.load(meta + 9) + shift).to(tl.pointer_type(tl.int32)),
+        _plan_tile(table_ptr, order_ptr, tl.load(meta + 10).to(tl.pointer_type(tl.int8)),
+                   tl.load(meta + 7).to(tl.pointer_type(tl.int32)),
+                   tl.load(meta + 8).to(tl.pointer_type(tl.int32)),
+                   tl.load(meta + 9).to(tl.pointer_type(tl.int32)),
                    tile, rows, row_stride, lo, width, BLOCK_M, WIDTH)
 
     @triton.jit(do_not_specialize=["rows", "width", "blocks"])
