@@ -328,10 +328,9 @@ def _count_pairs(maps: list[KernelMap]) -> None:
         return
     # One map: two torch ops (a batched count would copy its table of bounds to the device first)
     counted = None if _pair_counter is None or len(maps) == 1 else _pair_counter(maps)
-    if counted is None and len(maps) == 1:
-        counted = (maps[0].neighbors.ge(0).sum(0), [0])
-    elif counted is None:
-        counted = (torch.cat([(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]),
+    if counted is None:
+        counts = [(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]
+        counted = (counts[0] if len(counts) == 1 else torch.cat(counts),
                    list(itertools.accumulate((m.kernel_volume for m in maps[:-1]), initial=0)))
     together, starts = counted
     copy = HostCopy(together)  # read where a tuner key or a wgrad first needs them, not here

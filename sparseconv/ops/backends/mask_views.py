@@ -268,12 +268,10 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
             # cloud). Each part starts 16-byte aligned: Triton specialises pointers on it (an
             # unaligned one is another compile, and loses vector loads).
             flat = torch.empty(_plan_layout(tiles, width, block_m)[3], dtype=torch.int32, device=device)
-            used, offsets, counts, slots = _plan_views(flat, tiles, width, block_m)
+            views = _plan_views(flat, tiles, width, block_m)
             if tiles:
-                args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0),
-                                             lo, width, block_m)
-                launch(tk.kernels().tile_plan, (tiles,), *args, **options)
-            return used, offsets, counts, slots
+                launch_tile_plan(table, rows, views, lo, block_m)
+            return views
         # The visited rows' sources, padded with "none" to whole tiles: the lists and the slots both read it.
         padded = torch.full((tiles * block_m, width), -1, dtype=torch.int32, device=device)
         padded[: rows.numel()] = table[rows, lo:hi]
@@ -315,6 +313,15 @@ def _plan_views(flat: torch.Tensor, tiles: int, width: int, block_m: int) -> tup
 def _aligned(count: int) -> int:
     """``count`` int32s rounded up to whole 16-byte units."""
     return -(-count // 4) * 4
+
+
+def launch_tile_plan(table: torch.Tensor, rows: torch.Tensor, views: tuple, lo: int, block_m: int) -> None:
+    """The ``tile_plan`` launch writing ``views`` (:func:`_plan_views`' (used, offsets, counts, slots))
+    for the visiting order ``rows`` of ``table``'s offsets from ``lo``."""
+    used, offsets, counts, slots = views
+    args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0), lo,
+                                 offsets.shape[1], block_m)
+    launch(tk.kernels().tile_plan, (offsets.shape[0],), *args, **options)
 
 
 def _plan_launch(table, rows, used, offsets, counts, slots, num_rows: int, row_stride: int, lo: int, width: int,

@@ -17,9 +17,8 @@ from ...coords import plan
 from ...coords.kernel_map import KernelMap
 from . import triton_kernels as tk
 from .mask_views import (
-    MASK_ROWS, PLANNED_SHIFT, _pair_block, _plan_launch, _plan_layout, _plan_views, _rows_key, _width, fused,
-    product_table,
-    sorted_rows,
+    MASK_ROWS, PLANNED_SHIFT, _pair_block, _plan_layout, _plan_views, _rows_key, _width, fused, launch_tile_plan,
+    product_table, sorted_rows,
 )
 from .triton_launch import launch
 
@@ -181,11 +180,8 @@ class _PlanBuffer:
         self.build()
 
     def build(self) -> None:
-        """The plan into the buffer: one ``tile_plan`` launch (what :func:`tile_plan` launches)."""
-        used, offsets, counts, slots = self.views
-        args, options = _plan_launch(self.table, self.rows, used, offsets, counts, slots, self.rows.numel(),
-                                     self.table.stride(0), self.lo, offsets.shape[1], self.block_m)
-        launch(tk.kernels().tile_plan, (offsets.shape[0],), *args, **options)
+        """The plan into the buffer (what :func:`tile_plan` launches)."""
+        launch_tile_plan(self.table, self.rows, self.views, self.lo, self.block_m)
 
 
 def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
