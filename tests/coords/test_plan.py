@@ -191,6 +191,24 @@ def test_a_failing_plan_is_one_warning_and_the_layers_build_their_maps(device, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_record_keeps_only_the_views_a_builder_makes(device):
+    # A layer's problem, tuner key and prepared products are views of its map too; the next batch's
+    # builders make none of them, and merging two batches' keys compared them field by field.
+    from sparseconv.nn import SparseConv3d  # the layers that ask for views beside the maps
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(SparseConv3d(2, 4, 3), SparseConv3d(4, 4, 2, 2)).to(device)
+    x = batch(device, 0)
+    layers(x)
+    record = x.cache._record
+    kept = [key for keys in (*record.views.values(), *record.adjoint_views.values()) for key in keys]
+    asked = [key for m in x.cache.kernel_maps() for key in m._derived]
+    assert any(isinstance(key, tuple) and key[0] == "conv_problem" for key in asked), "the layers made views"
+    assert plan._view_kinds and all(isinstance(key, tuple) and key[0] in plan._view_kinds for key in kept)
+    assert set(kept) == {key for key in asked if isinstance(key, tuple) and key[0] in plan._view_kinds}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_planned_batch_drops_its_hash_tables_but_those_queried_after_the_plan(device, monkeypatch):
     # Once the plan has queried its maps the sets' hash tables only take memory (through the forward
     # pass's peak): they go, and a map the plan does not make (stride 3, generative: from the input

@@ -69,10 +69,14 @@ def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[i
     return kernel_map.derived(_rows_key(sort, lo, hi), build)
 
 
+ROWS_VIEW, PLAN_VIEW = "mask_rows", "tile_plan"
+"""The kinds (first items) of the map's view keys of :func:`sorted_rows` and :func:`tile_plan`."""
+
+
 def _rows_key(sort: bool, lo: int, hi: int) -> tuple:
     """The map's view key of :func:`sorted_rows`'s forward order (a dgrad's is its adjoint's or a
     mirrored group's forward order)."""
-    return ("mask_rows", sort, lo, hi)
+    return (ROWS_VIEW, sort, lo, hi)
 
 
 def fused(table: torch.Tensor) -> bool:
@@ -282,7 +286,7 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
             2, (offsets.long() - lo).unsqueeze(1).expand(-1, block_m, -1)).transpose(1, 2)
         return used, offsets, used.sum(1, dtype=torch.int32), per_tile.reshape(-1)
 
-    views = kernel_map.derived(("tile_plan", forward, sort, block_m, lo, hi), build)
+    views = kernel_map.derived((PLAN_VIEW, forward, sort, block_m, lo, hi), build)
     restore = getattr(views, "restore", None)  # a planned plan, released after its forward products
     if restore is not None:
         restore()

@@ -17,8 +17,8 @@ from ...coords import plan
 from ...coords.kernel_map import KernelMap
 from . import triton_kernels as tk
 from .mask_views import (
-    MASK_ROWS, PLANNED_SHIFT, _pair_block, _plan_layout, _plan_views, _rows_key, _width, fused, launch_tile_plan,
-    product_table, sorted_rows,
+    MASK_ROWS, PLAN_VIEW, PLANNED_SHIFT, ROWS_VIEW, _pair_block, _plan_layout, _plan_views, _rows_key, _width, fused,
+    launch_tile_plan, product_table, sorted_rows,
 )
 from .triton_launch import launch
 
@@ -67,7 +67,7 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
         kernel_map.offer(key, order[base: base + kernel_map.neighbors.shape[0]])
 
 
-plan.add_view_builder(build_planned_orders)
+plan.add_view_builder(build_planned_orders, (ROWS_VIEW,))
 
 
 def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
@@ -83,7 +83,7 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
     parts: dict[int, list] = {}  # by tile height
     for kernel_map, keys in wanted:
         for key in keys:
-            if not (isinstance(key, tuple) and len(key) == 6 and key[0] == "tile_plan"):
+            if not (isinstance(key, tuple) and len(key) == 6 and key[0] == PLAN_VIEW):
                 continue
             _, forward, sort, block_m, lo, hi = key
             if not forward:
@@ -123,7 +123,7 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
                WIDTH=_width(max(width for *_, width in group)))
 
 
-plan.add_view_builder(build_planned_tile_plans)  # after build_planned_orders: it reads their orders
+plan.add_view_builder(build_planned_tile_plans, (PLAN_VIEW,))  # after build_planned_orders: it reads their orders
 
 
 class _PlannedViews(tuple):
