@@ -13,6 +13,7 @@ import itertools
 import math
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -363,9 +364,9 @@ def insert_sets(keys: torch.Tensor, starts: list[int], table_keys: torch.Tensor,
 
 class MapQuery(NamedTuple):
     """One kernel map of a :func:`query_many` launch: its output rows ``coords[row_base:row_base +
-    rows]``, its offsets ``offsets[offset_base:offset_base + volume]``, its source table at
-    ``table_base`` of the table arrays (``capacity`` slots) and its (rows, volume) neighbour table
-    at ``out_base`` of the flat output."""
+    rows]`` of its coordinate array, its offsets ``offsets[offset_base:offset_base + volume]``, its
+    source table at ``table_base`` of its table arrays (``capacity`` slots) and its (rows, volume)
+    neighbour table at ``out_base`` of the flat output."""
 
     row_base: int
     rows: int
@@ -377,27 +378,35 @@ class MapQuery(NamedTuple):
     transposed_base: int = -1
     """Where its transposed table (source rows, volume) starts in :func:`query_many`'s
     ``transposed`` (-1: not asked for)."""
+    coarse_rows: bool = False
+    """Its output rows are in the second coordinate array (:func:`query_many`), not the first."""
+    coarse_table: bool = False
+    """Its source table is in the second table arrays, not the first."""
 
 
-def query_many(coords: torch.Tensor, offsets: torch.Tensor, table_keys: torch.Tensor, table_values: torch.Tensor,
+def query_many(coords: Sequence[torch.Tensor], offsets: torch.Tensor, tables: Sequence[CoordHashTable],
                neighbors: torch.Tensor, queries: list[MapQuery], transposed: torch.Tensor | None = None) -> None:
-    """Several kernel maps' neighbour tables in one launch (at most :data:`MAX_MAPS`, all of one
-    kernel volume): what :meth:`CoordHashTable.neighbors` computes for each ``query``, written into
-    ``neighbors`` (flat int32). coords: (R, 4) int32; offsets: (sum of volumes, 3) int32.
-    ``transposed`` (flat int32, filled with -1): where a query's ``transposed_base`` is set, its
-    transposed table (what :attr:`KernelMap.transposed_neighbors` holds) is written there too."""
-    if len(queries) > MAX_MAPS or len({q.volume for q in queries}) > 1:
-        raise ValueError(f"query_many takes at most {MAX_MAPS} maps of one kernel volume, got "
-                         f"{[q.volume for q in queries]}")
+    """Several kernel maps' neighbour tables in one launch (at most :data:`MAX_MAPS`): what
+    :meth:`CoordHashTable.neighbors` computes for each ``query``, written into ``neighbors`` (flat
+    int32). coords: one or two (R, 4) int32 arrays (a query's ``coarse_rows`` picks the second);
+    offsets: (sum of volumes, 3) int32; tables: one or two (a query's ``coarse_table`` picks the
+    second). ``transposed`` (flat int32, filled with -1): where a query's ``transposed_base`` is set,
+    its transposed table (what :attr:`KernelMap.transposed_neighbors` holds) is written there too."""
+    if len(queries) > MAX_MAPS:
+        raise ValueError(f"query_many takes at most {MAX_MAPS} maps, got {len(queries)}")
     starts = [0, *itertools.accumulate(q.rows for q in queries)]
-    if not queries or starts[-1] == 0 or queries[0].volume == 0:
+    volume = max((q.volume for q in queries), default=0)
+    if starts[-1] == 0 or volume == 0:
         return
     rows = [[start, q.row_base, q.offset_base, q.table_base, q.capacity - 1, q.out_base,
-             q.transposed_base if transposed is not None else -1] for start, q in zip(starts, queries)]
-    _launch(_kernels().query_maps, (starts[-1], queries[0].volume),
-            [coords, offsets, table_keys, table_values, neighbors, queries[0].volume, _rows_on(coords.device, rows),
+             q.transposed_base if transposed is not None else -1, q.volume, q.coarse_rows + 2 * q.coarse_table]
+            for start, q in zip(starts, queries)]
+    fine, coarse = tables[0], tables[-1]
+    _launch(_kernels().query_maps, (starts[-1], volume),
+            [coords[0], coords[-1], offsets, fine.keys, fine.values, coarse.keys, coarse.values, neighbors,
+             _rows_on(coords[0].device, rows),
              transposed if transposed is not None else neighbors],  # never written without a base
-            coords.device)
+            coords[0].device)
 
 
 def _rows_on(device: torch.device, rows: list[list[int]]) -> torch.Tensor:

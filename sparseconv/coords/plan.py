@@ -6,9 +6,9 @@ time: each new coordinate set, table and neighbour query was its own launches, a
 launches, 4 + 5 syncs). Remembering which maps the last two batches of a device asked for (as
 strides and geometries, not set ids), the first map request of a new batch builds them all: every
 canonical power-of-two coordinate set by one batched sort of the input's floored keys (one sync for
-all their sizes), their tables in one launch, the neighbour tables in one launch per (output
-coordinates, source table, kernel volume) on a GPU, and the submanifold maps' pair counts in one
-more transfer. The maps are those a lazy build makes, bit for bit (sets sorted by packed key, the
+all their sizes), their tables in one launch, every neighbour table in one launch on a GPU (up to
+16 maps, of any kernel volumes, reading the input set's or the coarse sets' arrays), and the
+submanifold maps' pair counts in one more transfer. The maps are those a lazy build makes, bit for bit (sets sorted by packed key, the
 same queries); a planned map no layer asks for again is built for nothing, and the plan forgets it
 after two batches.
 """
@@ -211,17 +211,9 @@ def prebuild(cache: CoordinateCache, plan: list[MapSpec],
         return {}
     levels = _add_levels(cache, strides[1:]) if len(strides) > 1 else None
     ids = {stride: cache.canonical(stride) for stride in strides}
-    # One launch per (output coordinates, source table, kernel volume): the input set's arrays, or
-    # those of the coarse sets together.
-    groups: dict[tuple[bool, bool, int], list[MapSpec]] = collections.defaultdict(list)
-    for spec in plan:
-        groups[(spec.output_stride != base, spec.source_stride != base, math.prod(spec.kernel_size))].append(spec)
     built: dict[KernelMapKey, tuple[KernelMap, int]] = {}
-    for (coarse_out, coarse_source, _), specs in groups.items():
-        coords = levels.coords if coarse_out else cache.coord_set(0).coords
-        table = levels.table if coarse_source else cache.table(0)
-        for start in range(0, len(specs), MAX_MAPS):
-            built.update(_query(cache, specs[start: start + MAX_MAPS], ids, coords, table))
+    for start in range(0, len(plan), MAX_MAPS):
+        built.update(_query(cache, plan[start: start + MAX_MAPS], ids, base, levels))
     _count_pairs([kernel_map for kernel_map, _ in built.values()])
     if views and _view_builders:
         wanted = []
@@ -272,34 +264,43 @@ def _add_levels(cache: CoordinateCache, strides: list[Triple]) -> Levels:
     return Levels(coords, table)
 
 
-def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int], coords: torch.Tensor,
-           tables: CoordHashTable) -> dict[KernelMapKey, tuple[KernelMap, int]]:
-    """The neighbour tables of ``specs`` (one kernel volume) in one launch: their output sets are row
-    slices of ``coords``, their source tables slices of ``tables``."""
-    queries, out_base, transposed_base, geometry = [], 0, 0, []
+def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int], base: Triple, levels: Levels | None
+           ) -> dict[KernelMapKey, tuple[KernelMap, int]]:
+    """The neighbour tables of ``specs`` in one launch on a GPU: their output sets are row slices of
+    the input set's coordinates or of the coarse sets' (``levels``), their source tables slices of the
+    input set's table or of the coarse sets' (one launch for every map, where one per output array,
+    source array and kernel volume cost the host ~130 us each: four a MinkUNet batch)."""
+    queries, out_base, offset_base, transposed_base, geometry = [], 0, 0, 0, []
     outs = [cache.coord_set(ids[spec.output_stride]).coords for spec in specs]
     sources = [cache.table(ids[spec.source_stride]) for spec in specs]
-    # A submanifold map alone in its group takes the one-map kernel (its bounds as arguments, no
-    # table of them to copy to the device; a strided map's transposed table comes only from the
-    # batched kernel)
-    one_launch = _one_launch(coords.device) and (len(specs) > 1 or specs[0].stride != (1, 1, 1))
-    for spec, out, source in zip(specs, outs, sources):
+    fine = cache.coord_set(0).coords
+    coords = (fine, levels.coords if levels is not None else fine)
+    coarse = [(spec.output_stride != base, spec.source_stride != base) for spec in specs]
+    # (the input set's table is not built for a batch none of whose maps read it)
+    fine_table = levels.table if all(source for _, source in coarse) else cache.table(0)
+    tables = (fine_table, levels.table if levels is not None else fine_table)
+    # A submanifold map alone takes the one-map kernel (its bounds as arguments, no table of them to
+    # copy to the device; a strided map's transposed table comes only from the batched kernel)
+    one_launch = _one_launch(fine.device) and (len(specs) > 1 or specs[0].stride != (1, 1, 1))
+    for spec, out, source, (coarse_rows, coarse_table) in zip(specs, outs, sources, coarse):
         volume, rows_in = math.prod(spec.kernel_size), _rows_in(cache, ids, spec)
         # A strided map's transposed table (a transposed conv's, its own dgrad's) in the same launch:
         # a submanifold map's is its own with the columns reversed (one op, KernelMap).
         at = transposed_base if one_launch and spec.stride != (1, 1, 1) else -1
-        queries.append(MapQuery(_start_in(out, coords), out.shape[0], len(geometry) * volume, volume,
-                                _start_in(source.keys, tables.keys), source.keys.shape[0], out_base, at))
+        queries.append(MapQuery(_start_in(out, coords[coarse_rows]), out.shape[0], offset_base, volume,
+                                _start_in(source.keys, tables[coarse_table].keys), source.keys.shape[0], out_base, at,
+                                coarse_rows, coarse_table))
         geometry.append((spec.kernel_size, _times(spec.dilation, spec.source_stride)))
+        offset_base += volume
         out_base += _aligned(out.shape[0] * volume)
         transposed_base += _aligned(rows_in * volume) if at >= 0 else 0
-    offsets = _offset_table(tuple(geometry), coords.device)
+    offsets = _offset_table(tuple(geometry), fine.device)
     transposed = [None] * len(queries)
     if one_launch:
-        flat = torch.empty((out_base,), dtype=torch.int32, device=coords.device)
-        flat_t = (torch.full((transposed_base,), -1, dtype=torch.int32, device=coords.device)
+        flat = torch.empty((out_base,), dtype=torch.int32, device=fine.device)
+        flat_t = (torch.full((transposed_base,), -1, dtype=torch.int32, device=fine.device)
                   if transposed_base else None)
-        query_many(coords, offsets, tables.keys, tables.values, flat, queries, flat_t)
+        query_many(coords, offsets, tables, flat, queries, flat_t)
         neighbors = [flat[q.out_base: q.out_base + q.rows * q.volume].view(q.rows, q.volume) for q in queries]
         for index, (q, spec) in enumerate(zip(queries, specs)):
             if q.transposed_base >= 0:

@@ -166,22 +166,32 @@ def define() -> SimpleNamespace:
         insert_key(keys[i], wp.int32(i - levels[level, 0]), table_keys, table_values, levels[level, 1],
                    levels[level, 2])
 
+    @wp.func
+    def map_lookup(coords: wp.array2d(dtype=wp.int32), row: wp.int64, offsets: wp.array2d(dtype=wp.int32),
+                   k: wp.int64, table_keys: wp.array(dtype=wp.int64), table_values: wp.array(dtype=wp.int32),
+                   base: wp.int64, mask: wp.int64) -> wp.int32:
+        key = wp.int64(shifted_key(coords, row, offsets, k))  # wp in the body: Warp reads the annotations with it
+        return lookup(key, table_keys, table_values, base, mask)
+
     @wp.kernel
     def query_maps(
         coords: wp.array2d(dtype=wp.int32),
+        coarse_coords: wp.array2d(dtype=wp.int32),
         offsets: wp.array2d(dtype=wp.int32),
         table_keys: wp.array(dtype=wp.int64),
         table_values: wp.array(dtype=wp.int32),
+        coarse_keys: wp.array(dtype=wp.int64),
+        coarse_values: wp.array(dtype=wp.int32),
         neighbors: wp.array(dtype=wp.int32),
-        volume: wp.int64,
         maps: wp.array2d(dtype=wp.int64),
         transposed: wp.array(dtype=wp.int32),
     ):
-        # Several kernel maps of one kernel volume in one launch, thread (i, k) for offset k of the
-        # i-th output row of all. maps[m] = (the first of those rows that is map m's, where its rows
-        # start in coords, its offsets in offsets, its source table in the table arrays, that
-        # table's slots - 1, where its (rows, volume) neighbour table starts in neighbors, where its
-        # transposed table starts in transposed or -1).
+        # Several kernel maps in one launch, thread (i, k) for offset k of the i-th output row of all
+        # (threads past a map's kernel volume idle). maps[m] = (the first of those rows that is map m's,
+        # where its rows start in its coordinates, its offsets in offsets, its source table in its table
+        # arrays, that table's slots - 1, where its (rows, volume) neighbour table starts in neighbors,
+        # where its transposed table starts in transposed or -1, its kernel volume, and which arrays:
+        # bit 0 set for its rows in coarse_coords, bit 1 for its table in coarse_keys / coarse_values).
         #
         # The maps' rows are read from this small array (cached after the first reads), not passed
         # as vector arguments: read even at constant indices, eight by-value vectors made the
@@ -193,15 +203,29 @@ def define() -> SimpleNamespace:
         for candidate in range(1, maps.shape[0]):
             if index >= maps[candidate, 0]:
                 m = candidate
+        volume = maps[m, 7]
+        offset = wp.int64(k)
+        if offset >= volume:
+            return
         local = index - maps[m, 0]
-        key = shifted_key(coords, maps[m, 1] + local, offsets, maps[m, 2] + wp.int64(k))
-        found = lookup(key, table_keys, table_values, maps[m, 3], maps[m, 4])
-        neighbors[maps[m, 5] + local * volume + wp.int64(k)] = found
+        row = maps[m, 1] + local
+        at = maps[m, 2] + offset
+        which = maps[m, 8]
+        found = wp.int32(-1)
+        if which == wp.int64(0):
+            found = map_lookup(coords, row, offsets, at, table_keys, table_values, maps[m, 3], maps[m, 4])
+        elif which == wp.int64(1):
+            found = map_lookup(coarse_coords, row, offsets, at, table_keys, table_values, maps[m, 3], maps[m, 4])
+        elif which == wp.int64(2):
+            found = map_lookup(coords, row, offsets, at, coarse_keys, coarse_values, maps[m, 3], maps[m, 4])
+        else:
+            found = map_lookup(coarse_coords, row, offsets, at, coarse_keys, coarse_values, maps[m, 3], maps[m, 4])
+        neighbors[maps[m, 5] + local * volume + offset] = found
         # The transposed table (source rows, volume), where asked for (base >= 0, filled with -1):
         # within an offset a source row feeds at most one output row, so no two threads meet.
         transposed_base = maps[m, 6]
         if found >= wp.int32(0) and transposed_base >= wp.int64(0):
-            transposed[transposed_base + wp.int64(found) * volume + wp.int64(k)] = wp.int32(local)
+            transposed[transposed_base + wp.int64(found) * volume + offset] = wp.int32(local)
 
     return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
                            insert_levels=insert_levels, query_maps=query_maps)

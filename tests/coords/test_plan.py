@@ -141,29 +141,41 @@ def test_only_a_batchs_first_set_is_planned_from(device):
 def test_query_many_equals_one_query_per_map(device):
     torch.manual_seed(7)
     sets = [random_coords(n, 12, batch_size=2, stride=(s, s, s), device=device) for n, s in ((400, 1), (300, 2), (200, 4))]
-    capacities = [hashing._capacity(len(s)) for s in sets]
-    bases = [0, capacities[0], capacities[0] + capacities[1]]
-    tables = CoordHashTable(torch.full((sum(capacities),), -1, dtype=torch.int64, device=device),
-                            torch.empty(sum(capacities), dtype=torch.int32, device=device))
-    starts = [0, len(sets[0]), len(sets[0]) + len(sets[1])]
-    hashing.insert_sets(torch.cat([pack_coords(s) for s in sets]), starts, tables.keys, tables.values, bases,
-                        capacities)
-    coords = torch.cat(sets)
-    offsets = torch.cat([offset_deltas((3, 3, 3)) * step for step in (1, 2, 4)]).contiguous().to(device)
-    # Output set 2 against source 1, output 0 against source 2, output 1 against itself, at regions
-    # with gaps between them (each map's part must land where its query says).
-    plan_ = [(2, 1), (0, 2), (1, 1)]
-    queries, out_base = [], 5
-    for m, (out, source) in enumerate(plan_):
-        queries.append(MapQuery(starts[out], len(sets[out]), 27 * m, 27, bases[source], capacities[source], out_base))
-        out_base += len(sets[out]) * 27 + 3
+    # The input set's coordinates and table in arrays of their own, the coarse sets' together (as a
+    # planned batch holds them): a query's flags pick the arrays.
+    fine_table = CoordHashTable.build(sets[0])
+    capacities = [hashing._capacity(len(s)) for s in sets[1:]]
+    bases = [0, capacities[0]]
+    coarse_tables = CoordHashTable(torch.full((sum(capacities),), -1, dtype=torch.int64, device=device),
+                                   torch.empty(sum(capacities), dtype=torch.int32, device=device))
+    hashing.insert_sets(torch.cat([pack_coords(s) for s in sets[1:]]), [0, len(sets[1])], coarse_tables.keys,
+                        coarse_tables.values, bases, capacities)
+    coarse_coords = torch.cat(sets[1:])
+    row_base = [0, 0, len(sets[1])]
+    table_base = [0, *bases]
+    capacity = [fine_table.keys.shape[0], *capacities]
+    # (output set, source set, kernel size, step): kernel volumes 27 and 8 in one launch, output rows
+    # and tables from either array, at regions with gaps between them (each map's part must land
+    # where its query says).
+    plan_ = [(2, 1, 3, 1), (0, 2, 2, 2), (1, 1, 3, 2), (2, 0, 2, 1), (0, 0, 3, 1)]
+    offsets = torch.cat([offset_deltas((k, k, k)) * step for _, _, k, step in plan_]).contiguous().to(device)
+    queries, out_base, offset_base = [], 5, 0
+    for out, source, k, _ in plan_:
+        queries.append(MapQuery(row_base[out], len(sets[out]), offset_base, k ** 3, table_base[source],
+                                capacity[source], out_base, coarse_rows=out > 0, coarse_table=source > 0))
+        out_base += len(sets[out]) * k ** 3 + 3
+        offset_base += k ** 3
     flat = torch.full((out_base,), -7, dtype=torch.int32, device=device)
-    hashing.query_many(coords, offsets, tables.keys, tables.values, flat, queries)
-    for m, ((out, source), query) in enumerate(zip(plan_, queries)):
-        expected = CoordHashTable.build(sets[source]).neighbors(sets[out], offsets[27 * m: 27 * (m + 1)])
-        got = flat[query.out_base: query.out_base + query.rows * 27].view(-1, 27)
-        assert torch.equal(got, expected)
+    hashing.query_many((sets[0], coarse_coords), offsets, (fine_table, coarse_tables), flat, queries)
+    for (out, source, k, _), query in zip(plan_, queries):
+        volume = k ** 3
+        part = offsets[query.offset_base: query.offset_base + volume]
+        expected = CoordHashTable.build(sets[source]).neighbors(sets[out], part)
+        got = flat[query.out_base: query.out_base + query.rows * volume].view(-1, volume)
+        assert torch.equal(got, expected), (out, source, k)
         assert (expected >= 0).any() and (expected < 0).any()
+        gap = flat[query.out_base + query.rows * volume: query.out_base + query.rows * volume + 3]
+        assert (gap == -7).all(), "nothing written between the maps' parts"
     assert (flat[:5] == -7).all(), "nothing written outside the maps' parts"
 
 
