@@ -152,7 +152,8 @@ every mask it orders (groups at most this wide; wider ones are left to the layer
 
 def _width(width: int) -> int:
     """The kernels' block width for ``width`` offsets: the power of two tl.arange needs (at least 16)."""
-    return max(16, tk.kernels().triton.next_power_of_2(width))
+    # (not triton.next_power_of_2: a constexpr function in recent Triton, ~4 us a call on the host)
+    return max(16, 1 << max(width - 1, 0).bit_length())
 
 
 def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -175,7 +176,8 @@ def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch
     launch(kernels.pair_blocks, (blocks,), table, counts, rows, volume, blocks, BLOCK=block, WIDTH=width)
     # Each offset's counts along a row: torch scans an innermost dimension in parallel, where its scan
     # of (blocks, width) down the blocks took 151 µs of GPU time for street4's input map (H200).
-    before = torch.cumsum(counts, 1)  # int64
+    # int32, as counted: torch's default widens integers to int64, one more launch (a map holds < 2**31 pairs)
+    before = torch.cumsum(counts, 1, dtype=torch.int32)
     launch(kernels.pair_lists, (blocks,), table, before, in_idx, out_idx, offset_ptr, rows, volume, blocks,
               BLOCK=block, WIDTH=width)
     return in_idx, out_idx, offset_ptr
@@ -340,7 +342,7 @@ def precompile_pairs(device: torch.device, volume: int) -> None:
     kernels, i32, i64 = tk.kernels(), torch.int32, torch.int64
     options = dict(BLOCK=_pair_block(volume), WIDTH=_width(volume))
     warm(kernels.pair_blocks, device, i32, i32, 2, volume, 2, **options)
-    warm(kernels.pair_lists, device, i32, i64, i64, i64, i64, 2, volume, 2, **options)
+    warm(kernels.pair_lists, device, i32, i32, i64, i64, i64, 2, volume, 2, **options)
 
 
 def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequence[tuple[int, int]], sort: bool,

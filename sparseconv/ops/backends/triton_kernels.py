@@ -373,7 +373,7 @@ def _define() -> SimpleNamespace:
         ok = (i[:, None] < rows) & k_ok[None, :]
         source = tl.load(table_ptr + i[:, None] * width + k[None, :], mask=ok, other=-1)
         present = (source >= 0).to(tl.int64)
-        at = starts[None, :] + earlier[None, :] + tl.cumsum(present, axis=0) - present
+        at = starts[None, :].to(tl.int64) + earlier[None, :] + tl.cumsum(present, axis=0) - present
         tl.store(in_ptr + at, source.to(tl.int64), mask=present > 0)
         tl.store(out_ptr + at, (i[:, None] + k[None, :] * 0).to(tl.int64), mask=present > 0)
 
