@@ -244,12 +244,18 @@ class Levels(NamedTuple):
 def _add_levels(cache: CoordinateCache, strides: list[Triple]) -> Levels:
     """Register the canonical sets at ``strides`` (floors of the input set), with their tables."""
     keys = cache.keys(0)
-    floored = keys[None, :] & _floor_masks(tuple(strides), keys.device)[:, None]
-    ordered = floored.sort(dim=1).values
-    first = torch.ones_like(ordered, dtype=torch.bool)
-    torch.ne(ordered[:, 1:], ordered[:, :-1], out=first[:, 1:])
-    counts = first.sum(1).tolist()  # the one host sync for every set's size
-    unique = ordered.view(-1)[_nonzero(first.view(-1), sum(counts))[:, 0]]
+    if len(strides) == 1:
+        # One set: torch's unique (its sort and compaction, and the one host sync for the size) costs the
+        # host ~140 us where the batched ops below cost ~230 (a lone strided conv's batch, H200 host).
+        unique = torch.unique(keys & floor_mask(strides[0]))
+        counts = [unique.shape[0]]
+    else:
+        floored = keys[None, :] & _floor_masks(tuple(strides), keys.device)[:, None]
+        ordered = floored.sort(dim=1).values
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        torch.ne(ordered[:, 1:], ordered[:, :-1], out=first[:, 1:])
+        counts = first.sum(1).tolist()  # the one host sync for every set's size
+        unique = ordered.view(-1)[_nonzero(first.view(-1), sum(counts))[:, 0]]
     coords = unpack_keys(unique)
     starts = [0, *itertools.accumulate(counts)]
     capacities = [_capacity(n) for n in counts]

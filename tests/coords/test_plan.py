@@ -88,6 +88,35 @@ def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, one_launch, mo
     assert len(prebuilt) == 2 and len(x) != len(batch(device, 1))
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_plan_of_one_coarse_set_gets_the_maps_a_lazy_build_makes(device, one_launch, monkeypatch):
+    # One strided conv: its coarse set is one level (torch's unique), not the batched sort of several.
+    monkeypatch.setattr(plan, "_one_launch", lambda _: one_launch)
+
+    def one_level(x: SparseTensor) -> list:
+        asked = []
+        for geometry in (SUBM, DOWN):
+            key = KernelMapKey(x.coord_id, *geometry)
+            asked.append((key, *x.cache.kernel_map(key)))
+        key = KernelMapKey(asked[-1][2], *SUBM)
+        asked.append((key, *x.cache.kernel_map(key)))
+        return asked
+
+    one_level(batch(device, 0))
+    x = batch(device, 1)
+    uniques = []
+    unique = torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *args, **kwargs: uniques.append(1) or unique(*args, **kwargs))
+    planned = one_level(x)
+    monkeypatch.setattr(torch, "unique", unique)
+    assert x.cache.set_count() == 2 and x.cache._planned == {}, "the coarse set and its maps came from the plan"
+    assert len(uniques) == 1, "one level: torch's unique"
+    monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
+    y = batch(device, 1)
+    assert_same_maps(planned, one_level(y), x.cache, y.cache)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_planned_batch_builds_its_sets_and_tables_at_once_reading_the_host_once(device, monkeypatch):
     requests(batch(device, 0))
