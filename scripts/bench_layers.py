@@ -30,7 +30,7 @@ from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.data import make_scene
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.conv import _problem
+from sparseconv.ops.problem import layer_problem
 from sparseconv.ops.dispatch import dispatch
 from sparseconv.ops.problem import NAMESPACES
 from sparseconv.tune.timing import Timer, TimingPlan
@@ -140,7 +140,7 @@ def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int
     }
     # Each product alone, with the tuned choice (an equal problem finds the same memo): where a
     # forward+backward loses, this says whether dgrad, wgrad or the autograd glue is the cost.
-    problem = _problem(kernel_map, c, c, (kernel,) * 3, (stride,) * 3, (1, 1, 1), transposed, False, dtype, DEVICE)
+    problem = layer_problem(kernel_map, (c, c, (kernel,) * 3, (stride,) * 3, (1, 1, 1), transposed, False, dtype, DEVICE))
     grad_out = torch.randn(kernel_map.num_out, c, device=DEVICE, dtype=dtype)
     operands = {NAMESPACES[0]: (x.feats, weight), NAMESPACES[1]: (grad_out, weight), NAMESPACES[2]: (x.feats, grad_out)}
     products = [median_ms(lambda ns=ns: dispatch(ns, problem, None, *operands[ns], kernel_map), repeats)

@@ -199,6 +199,9 @@ class KernelMap:
     on_view: Callable[[Hashable], None] | None = None
     """Told the key of each view this map's layers use (the first time): the map plan keeps them
     for the next batch's maps (:mod:`.plan`)."""
+    on_call: Callable[[Hashable], None] | None = None
+    """Told a recipe of each product the runner prepared on this map at a layer's first call (opaque here):
+    the map plan keeps them, and has the runner prepare them on the next batch's map ahead (:mod:`.plan`)."""
     plan_spec: Hashable | None = None
     """What the map plan knows this map by (its adjoint's views are kept under it too)."""
 

@@ -78,6 +78,9 @@ class Record:
         :func:`add_view_builder`), in order."""
         self.adjoint_views: dict[MapSpec, dict[Hashable, None]] = {}
         """The same for the adjoint of the map (a transposed conv's, :meth:`KernelMap.transposed`)."""
+        self.calls: dict[tuple[MapSpec, bool], dict[Hashable, None]] = {}
+        """Per (map, its adjoint?), the recipes of the products its layers' first calls prepared
+        (:attr:`KernelMap.on_call`), in order."""
         self.forward_counts: dict[tuple[MapSpec, bool], list[int]] = {}
         """Per (map, its adjoint?), the forward products of training passes on it (:attr:`KernelMap.forward_count`)."""
         self.expected: dict[tuple[MapSpec, bool], int] = {}
@@ -93,14 +96,27 @@ class Record:
         if spec is not None and spec not in self.specs:
             self.specs.append(spec)
             kernel_map.on_view = _recorder(self.views.setdefault(spec, {}))
+            kernel_map.on_call = self._calls_of(kernel_map, (spec, False)).setdefault
             kernel_map.plan_spec = spec
             self._count(kernel_map, (spec, False))
             _replay(kernel_map)
         source = kernel_map.transpose_of
         if spec is None and source is not None and source.plan_spec in self.views:
             kernel_map.on_view = _recorder(self.adjoint_views.setdefault(source.plan_spec, {}))
+            kernel_map.on_call = self._calls_of(kernel_map, (source.plan_spec, True)).setdefault
             self._count(kernel_map, (source.plan_spec, True))
             _replay(kernel_map)
+
+    def _calls_of(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> dict[Hashable, None]:
+        """The recipes kept for ``which``: those prepared on this map ahead (its layers' first calls then
+        find them prepared and record nothing), and those its layers prepare themselves."""
+        planned = kernel_map.__dict__.pop("planned_calls", None)
+        calls = self.calls.get(which)
+        if calls is None:
+            calls = self.calls[which] = {} if planned is None else planned.copy()  # a copy keeps the hashes
+        elif planned is not None:
+            calls.update(planned)
+        return calls
 
     def _count(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> None:
         kernel_map.forward_count = self.forward_counts.setdefault(which, [0])
@@ -147,6 +163,22 @@ def add_view_builder(builder: ViewBuilder, kinds: tuple[Hashable, ...]) -> None:
         _view_kinds.update(kinds)
 
 
+CallBuilder = Callable[[list[tuple[KernelMap, list[Hashable]]]], None]
+"""builder([(map, recipes of the products its counterpart's layers prepared in the last batch)]): prepares
+them on the new maps ahead of the layers' first calls (registered by the runner, :func:`set_call_builder`)."""
+
+_call_builder: CallBuilder | None = None
+
+
+def set_call_builder(builder: CallBuilder | None) -> None:
+    """Have ``builder`` prepare each planned batch's products ahead (after the views are built). A layer's
+    first call on a new map otherwise keys, chooses and prepares its product itself, one layer at a time:
+    ~100 µs of host time more than its next call, where the same work for all of a batch's maps in one pass
+    costs a fraction (the host's caches stay warm through it)."""
+    global _call_builder
+    _call_builder = builder
+
+
 def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[KernelMap, int]]]:
     """At a cache's first map request: its record, and the maps of the plan built at once (none if
     the cache holds more than its input set, or SPARSECONV_PLAN_MAPS=0)."""
@@ -160,6 +192,7 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
         for adjoint, by_spec in ((False, earlier_record.views), (True, earlier_record.adjoint_views)):
             for spec, keys in by_spec.items():
                 views.setdefault((spec, adjoint), {}).update(keys)
+    calls = next((dict(r.calls) for r in reversed(earlier) if r.calls), {})  # the latest batch's, unmerged
     record = Record(signature)
     with _lock:
         for earlier_record in earlier:  # oldest first
@@ -172,7 +205,7 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
     if not (plan and fresh and config.plan_maps()) or signature in _failed:
         return record, {}
     try:
-        return record, prebuild(cache, plan, views)
+        return record, prebuild(cache, plan, views, calls)
     except Exception as error:  # noqa: BLE001 - a plan must never cost a batch its maps
         # The sets registered before the failure are complete (registered after their tables),
         # so the layers build the rest as without a plan. Planning stays off for this device.
@@ -194,12 +227,14 @@ def spec_of(cache: CoordinateCache, key: KernelMapKey) -> MapSpec | None:
 
 
 def prebuild(cache: CoordinateCache, plan: list[MapSpec],
-             views: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None
+             views: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None,
+             calls: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None
              ) -> dict[KernelMapKey, tuple[KernelMap, int]]:
-    """Build the maps of ``plan`` that the input set reaches through power-of-two floors, and
-    through the view builders the ``views`` their counterparts (or their adjoints) used; returns
-    the maps by key with their output set ids (the coarse sets are registered in ``cache``; an
-    adjoint with views under its transposed conv's key, which keeps it alive until asked for)."""
+    """Build the maps of ``plan`` that the input set reaches through power-of-two floors, through the
+    view builders the ``views`` their counterparts (or their adjoints) used, and through the call builder
+    the products of ``calls``; returns the maps by key with their output set ids (the coarse sets are
+    registered in ``cache``; an adjoint with views under its transposed conv's key, which keeps it alive
+    until asked for)."""
     base = cache.coord_set(0).stride
     strides = [base]
     for spec in plan:
@@ -230,6 +265,18 @@ def prebuild(cache: CoordinateCache, plan: list[MapSpec],
                 wanted.append((adjoint, list(views[spec, True])))
         for builder in _view_builders:
             builder(wanted)
+    if calls and _call_builder is not None:
+        prepared = []
+        for spec in plan:
+            hit = built.get(_key_of(spec, ids))
+            up = KernelMapKey(ids[spec.output_stride], spec.kernel_size, spec.stride, spec.dilation, True, False)
+            adjoint = built.get(up)  # an adjoint the view builders made
+            for kernel_map, which in ((hit, (spec, False)), (adjoint, (spec, True))):
+                recipes = calls.get(which)
+                if kernel_map is not None and recipes:
+                    kernel_map[0].__dict__["planned_calls"] = recipes  # the new record keeps them (Record.note)
+                    prepared.append((kernel_map[0], list(recipes)))
+        _call_builder(prepared)
     return built
 
 

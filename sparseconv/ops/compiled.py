@@ -38,7 +38,7 @@ from ..coords.cache import CoordinateCache
 from ..coords.kernel_map import KernelMap, KernelMapKey, Triple, owner_of
 from ..tensor import SparseTensor
 from .dispatch import dispatch
-from .problem import ConvProblem
+from .problem import ConvProblem, layer_problem
 
 if TYPE_CHECKING:
     from .conv import AlgoPins
@@ -140,7 +140,7 @@ def _problem(
     eager and compiled calls of one layer share it (and the tuner's memo keyed on it)."""
     layer = (in_channels, out_channels, tuple(kernel_size), tuple(stride), tuple(dilation), transposed, generative,
              dtype, device)
-    return kernel_map.derived(("conv_problem", *layer), lambda m: ConvProblem(m.num_in, m.num_out, *layer))
+    return layer_problem(kernel_map, layer)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::conv_forward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))

@@ -13,7 +13,7 @@ from .._args import triple
 from ..coords.kernel_map import KernelMap, KernelMapKey
 from ..tensor import SparseTensor
 from .dispatch import Pin, check_algo, dispatch
-from .problem import ConvProblem
+from .problem import ConvProblem, layer_problem
 
 
 MATMUL = "matmul"
@@ -146,7 +146,7 @@ def checked_conv3d(
     kernel_map, out_id = input.cache.kernel_map(key)
     layer = (weight.shape[1], weight.shape[2], kernel_size, stride, dilation, transposed, generative,
              feats.dtype, feats.device)
-    problem = kernel_map.derived(("conv_problem", *layer), lambda m: _problem(m, *layer))
+    problem = layer_problem(kernel_map, layer)
     if torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad):
         out = SparseConvFunction.apply(feats, weight, kernel_map, problem, pins, record)
         kernel_map.forward_done()  # after the map's last forward product, what only backward reads is dropped
@@ -155,38 +155,6 @@ def checked_conv3d(
     if bias is not None:
         out = out + bias
     return SparseTensor._derived(out, input.cache, out_id)
-
-
-def _problem(
-    kernel_map: KernelMap,
-    in_channels: int,
-    out_channels: int,
-    kernel_size: tuple[int, int, int],
-    stride: tuple[int, int, int],
-    dilation: tuple[int, int, int],
-    transposed: bool,
-    generative: bool,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> ConvProblem:
-    """The problem of a layer on ``kernel_map``, kept with the map by :func:`sparse_conv3d`.
-
-    Reusing one object per (map, layer) saves building a frozen dataclass on every call (~3 µs)
-    and lets the tuner's lookups keyed on it match by identity instead of field by field.
-    """
-    return ConvProblem(
-        num_in=kernel_map.num_in,
-        num_out=kernel_map.num_out,
-        in_channels=in_channels,
-        out_channels=out_channels,
-        kernel_size=kernel_size,
-        stride=stride,
-        dilation=dilation,
-        transposed=transposed,
-        generative=generative,
-        dtype=dtype,
-        device=device,
-    )
 
 
 def _check_weight(

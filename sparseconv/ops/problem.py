@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..coords.kernel_map import Triple
+from ..coords.kernel_map import KernelMap, Triple
 
 NAMESPACES = ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")
 """Forward (out = Σ_k scatter(gather(A) · B_k)), dgrad (… · B_kᵀ), wgrad (gather(A)ᵀ · gather(B))."""
@@ -50,6 +50,21 @@ class ConvProblem:
         self.__post_init__()
 
     @property
+    def layer(self) -> tuple:
+        """Everything but the row counts: (in_channels, out_channels, kernel_size, stride, dilation, transposed,
+        generative, dtype, device), what a layer's problem is on any map (:func:`layer_problem`)."""
+        return (self.in_channels, self.out_channels, self.kernel_size, self.stride, self.dilation, self.transposed,
+                self.generative, self.dtype, self.device)
+
+    @property
     def kernel_volume(self) -> int:
         kx, ky, kz = self.kernel_size
         return kx * ky * kz
+
+
+def layer_problem(kernel_map: KernelMap, layer: tuple) -> ConvProblem:
+    """The problem of a layer (:attr:`ConvProblem.layer`: in_channels, out_channels, kernel_size, stride,
+    dilation, transposed, generative, dtype, device) on ``kernel_map``, kept with the map: one object per
+    (map, layer), so the eager and compiled calls of the layer, the tuner's memo keyed on it and the
+    products the tuner prepares ahead for a new batch's map share it."""
+    return kernel_map.derived(("conv_problem", *layer), lambda m: ConvProblem(m.num_in, m.num_out, *layer))

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from ..coords import plan as _plan
 from ..coords.kernel_map import KernelMap
 from ..ops import dispatch as _dispatch
 from ..ops.backends import registry as _registry
@@ -62,7 +63,16 @@ def run(
     return get_tuner().run(namespace, problem, pin, a, b, kernel_map, record)
 
 
+def _prepare_planned(wanted: list) -> None:
+    """The map plan's call builder: the products the last batch's layers prepared, prepared on the new maps."""
+    tuner = get_tuner()
+    for kernel_map, recipes in wanted:
+        for recipe in recipes:
+            tuner.prepare_ahead(kernel_map, recipe)
+
+
 _dispatch.set_runner(run)
+_plan.set_call_builder(_prepare_planned)
 _registry.set_inner_tuner(autotune)
 
 

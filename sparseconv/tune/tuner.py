@@ -21,7 +21,7 @@ import torch
 from .. import config
 from ..coords.kernel_map import KernelMap
 from ..ops.backends import registry
-from ..ops.problem import ConvProblem
+from ..ops.problem import ConvProblem, layer_problem
 from . import faults, prior
 from .cache import TuneCache
 from .configs import Candidate
@@ -33,6 +33,13 @@ from .sweep import compile_and_sweep, retime
 from .timing import CLOSE
 
 logger = logging.getLogger("sparseconv.tune")
+
+
+AHEAD = "AB_gather_scatter"
+"""The product a new batch's map plan prepares ahead (:meth:`Tuner.prepare_ahead`): the forward's, whose views
+the plan builds; a backward product's views (dgrad plans, pair lists) made then would sit through the forward
+pass's memory peak."""
+
 
 class Tuner:
     """Chooses, runs and remembers algorithms; one per process (see :func:`sparseconv.tune.get_tuner`)."""
@@ -90,6 +97,9 @@ class Tuner:
                 pass
             else:
                 kernel_map.calls[memo] = (self, (candidate, backend), call)
+                on_call = kernel_map.on_call
+                if on_call is not None and namespace == AHEAD:
+                    on_call((namespace, pin, problem.layer))  # the next batch's map has it prepared ahead
                 return out
         return _execute(namespace, problem, candidate, backend, a, b, kernel_map)
 
@@ -114,19 +124,8 @@ class Tuner:
                 ) -> tuple[Candidate, registry.Backend, bool]:
         """:meth:`choose` given the call's settings, and whether the choice is settled (remembered
         for the process: not the reference while kernels compile, nor a provisional pick)."""
-        mode_value, deterministic, effort = settings
-        mode = resolve_mode(namespace, pin, mode_value)
-        # deterministic is in the key and memo: its choices are never the others'
-        if mode.single:
-            # A named backend's candidate depends on the problem only, never on the map's density.
-            memo: tuple = (namespace, problem, mode.names, deterministic)
-            effort = "quick"
-        else:
-            # The key is a function of the map and the problem: keep it with the map, so the hot
-            # path (every conv call) hashes it instead of rebuilding it.
-            key = kernel_map.derived(("tune_key", namespace, problem, deterministic),
-                                     lambda m: make_key(namespace, problem, m, deterministic))
-            memo = (key, mode.level, mode.names, effort)
+        memo, mode, effort, key = self._memo(namespace, problem, pin, kernel_map, settings)
+        deterministic = settings[1]
         choice = self._choices.get(memo)
         if choice is None or not _current(choice):
             if self._compiling_for(memo) and _on_gpu_eagerly(a):  # compiling: the reference runs meanwhile
@@ -147,6 +146,52 @@ class Tuner:
                         return _REFERENCE, registry.get(FALLBACK), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
         return (*choice, True)
+
+    @staticmethod
+    def _memo(namespace: str, problem: ConvProblem, pin: str | Sequence[str] | None, kernel_map: KernelMap,
+              settings: tuple[str | None, bool, str]) -> tuple[tuple, AlgoMode, str, TuneKey | None]:
+        """(what the choice of this call is remembered under, its mode, its effort, its key or None)."""
+        mode_value, deterministic, effort = settings
+        mode = resolve_mode(namespace, pin, mode_value)
+        # deterministic is in the key and memo: its choices are never the others'
+        if mode.single:
+            # A named backend's candidate depends on the problem only, never on the map's density.
+            return (namespace, problem, mode.names, deterministic), mode, "quick", None
+        # The key is a function of the map and the problem: keep it with the map, so the hot
+        # path (every conv call) hashes it instead of rebuilding it.
+        key = kernel_map.derived(("tune_key", namespace, problem, deterministic),
+                                 lambda m: make_key(namespace, problem, m, deterministic))
+        return (key, mode.level, mode.names, effort), mode, effort, key
+
+    def prepare_ahead(self, kernel_map: KernelMap, recipe: tuple) -> None:
+        """Prepare on a new batch's map the product a layer prepared at its first call on the last batch's
+        (``recipe``: (namespace, pin, :attr:`ConvProblem.layer`), what :meth:`run` told the map's
+        ``on_call``), where its choice is settled here: the layer's first call then finds it ready, as its
+        next calls do, instead of keying, choosing and preparing it there. The map plan calls this for a
+        batch's maps together (:func:`sparseconv.coords.plan.set_call_builder`); anything unsettled or
+        failing is left to the layer's call."""
+        try:
+            namespace, pin, layer = recipe
+            problem = layer_problem(kernel_map, layer)
+            settings = config.product_settings(namespace)
+            memo = (namespace, problem, pin, settings)
+            if memo in kernel_map.calls:
+                return
+            remembered, mode, _, _ = self._memo(namespace, problem, pin, kernel_map, settings)
+            choice = self._choices.get(remembered)
+            if choice is None or not _current(choice):
+                if not mode.single:
+                    return  # undecided for this key: the layer's call tunes it, with its operands
+                # A named backend's choice is keyed by the exact problem: made here as the call would (no timing).
+                *choice, settled = self._choose(namespace, problem, pin, None, None, kernel_map, settings)
+                if not settled:
+                    return
+            candidate, backend = choice
+            if backend.prepare is not None:
+                call = backend.prepare(namespace, problem, candidate.params_dict, kernel_map)
+                kernel_map.calls[memo] = (self, (candidate, backend), call)
+        except Exception:  # noqa: BLE001 - never costs the batch its plan: the layer's call prepares it
+            return
 
     def _compile_later(self, memo: tuple, namespace: str, problem: ConvProblem, candidates: list[Candidate],
                        a: torch.Tensor, kernel_map: KernelMap, deterministic: bool) -> bool:

@@ -114,3 +114,48 @@ def test_choices_do_not_survive_a_tuner_reset(x):
         sparseconv.tune.get_tuner().cache.clear()
         conv(x)
         assert calls.of("fake_slow") > swept  # a fresh tuner with an empty cache sweeps again
+
+
+def test_a_new_batch_has_the_forward_products_of_the_last_batchs_layers_prepared_ahead(monkeypatch):
+    # The map plan prepares, on a new batch's maps, the forward products the last batch's layers prepared at
+    # their first calls: those first calls then take the prepared product (and run as the next calls do).
+    from sparseconv.coords import plan
+
+    monkeypatch.setattr(plan, "_history", {})
+    prepared = []  # (map, namespace) of each preparation; the maps' own lists below (ids of dead maps recur)
+
+    def prepare(namespace, problem, params, kernel_map):
+        prepared.append(namespace)
+        kernel_map.__dict__.setdefault("prepared_here", []).append(namespace)
+        return lambda a, b: explicit.run(namespace, problem, params, a, b, kernel_map)
+
+    in_plan = []
+    prebuild = plan.prebuild
+
+    def counted_prebuild(*args):
+        start = len(prepared)
+        built = prebuild(*args)
+        in_plan.append(len(prepared) - start)
+        return built
+
+    monkeypatch.setattr(plan, "prebuild", counted_prebuild)
+    pins = {f"{p}_algo": "fake_prepared" for p in ("fwd", "dgrad", "wgrad")}
+    weights = [torch.randn(27, 4, 4, requires_grad=True), torch.randn(8, 4, 4, requires_grad=True)]
+
+    def step(seed):
+        torch.manual_seed(seed)
+        x = make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float32, n=300)
+        x = x.replace(x.feats.requires_grad_())
+        y = sparse_conv3d(x, weights[0], kernel_size=3, **pins)
+        z = sparse_conv3d(y, weights[1], kernel_size=2, stride=2, **pins)
+        z.feats.sum().backward()
+        maps = x.cache.kernel_maps()
+        return [m.__dict__.get("prepared_here", []).count(namespace) for m in maps for namespace in NAMESPACES]
+
+    with registered(slow(Calls(), name="fake_prepared", delay_s=0.0, prepare=prepare)):
+        step(0)  # the first batch: its layers prepare their products themselves; the plan records them
+        assert in_plan == []
+        # Each product prepared once a map: the forward ones (2) in the plan, the backward ones by the layers.
+        assert step(1) == [1, 1, 1, 1, 1, 1] and in_plan == [2]
+        # A batch whose layers found their forward products prepared passes the recipes on.
+        assert step(2) == [1, 1, 1, 1, 1, 1] and in_plan == [2, 2]
