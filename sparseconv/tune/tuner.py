@@ -155,8 +155,9 @@ class Tuner:
         mode = resolve_mode(namespace, pin, mode_value)
         # deterministic is in the key and memo: its choices are never the others'
         if mode.single:
-            # A named backend's candidate depends on the problem only, never on the map's density.
-            return (namespace, problem, mode.names, deterministic), mode, "quick", None
+            # A named backend's candidate depends on the layer only, never on the map (its density, its row
+            # counts): keyed by the problem, every new batch's sizes added an entry, without bound.
+            return (namespace, problem.layer, mode.names, deterministic), mode, "quick", None
         # The key is a function of the map and the problem: keep it with the map, so the hot
         # path (every conv call) hashes it instead of rebuilding it.
         key = kernel_map.derived(("tune_key", namespace, problem, deterministic),

@@ -159,3 +159,16 @@ def test_a_new_batch_has_the_forward_products_of_the_last_batchs_layers_prepared
         assert step(1) == [1, 1, 1, 1, 1, 1] and in_plan == [2]
         # A batch whose layers found their forward products prepared passes the recipes on.
         assert step(2) == [1, 1, 1, 1, 1, 1] and in_plan == [2, 2]
+
+
+def test_a_pinned_layer_on_new_batches_keeps_one_remembered_choice():
+    # A named backend's choice does not depend on the row counts: new batches (new sizes) must not each
+    # add a remembered choice (a long run would grow the memo without bound).
+    tuner = sparseconv.tune.get_tuner()
+    pins = {f"{p}_algo": "explicit_gemm" for p in ("fwd", "dgrad", "wgrad")}
+    sizes = []
+    for n in (200, 260, 320):
+        x = make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float32, n=n)
+        conv(x, **pins)
+        sizes.append(len(tuner._choices))
+    assert sizes[0] >= 3 and sizes[1] == sizes[0] and sizes[2] == sizes[0]
