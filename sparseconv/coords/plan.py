@@ -8,9 +8,9 @@ strides and geometries, not set ids), the first map request of a new batch build
 canonical power-of-two coordinate set by one batched sort of the input's floored keys (one sync for
 all their sizes), their tables in one launch, every neighbour table in one launch on a GPU (up to
 16 maps, of any kernel volumes, reading the input set's or the coarse sets' arrays), and the
-submanifold maps' pair counts in one more transfer. The maps are those a lazy build makes, bit for bit (sets sorted by packed key, the
-same queries); a planned map no layer asks for again is built for nothing, and the plan forgets it
-after two batches.
+submanifold maps' pair counts in one more transfer. The maps are those a lazy build makes, bit for
+bit (sets sorted by packed key, the same queries); a planned map no layer asks for again is built
+for nothing, and the plan forgets it after two batches.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
         for adjoint, by_spec in ((False, earlier_record.views), (True, earlier_record.adjoint_views)):
             for spec, keys in by_spec.items():
                 views.setdefault((spec, adjoint), {}).update(keys)
-    calls = next((dict(r.calls) for r in reversed(earlier) if r.calls), {})  # the latest batch's, unmerged
+    calls = next((r.calls for r in reversed(earlier) if r.calls), {})  # the latest batch's, unmerged (read only)
     record = Record(signature)
     with _lock:
         for earlier_record in earlier:  # oldest first
@@ -250,32 +250,33 @@ def prebuild(cache: CoordinateCache, plan: list[MapSpec],
     for start in range(0, len(plan), MAX_MAPS):
         built.update(_query(cache, plan[start: start + MAX_MAPS], ids, base, levels))
     _count_pairs([kernel_map for kernel_map, _ in built.values()])
-    if views and _view_builders:
-        wanted = []
-        for spec in plan:
-            hit = built.get(_key_of(spec, ids))
-            if hit is None:
+    # Per planned map and its adjoint (made here where the last batches' layers used views of it): the views
+    # to build and the products to prepare.
+    views = views if _view_builders else None
+    calls = calls if _call_builder is not None else None
+    wanted, prepared = [], []
+    for spec in plan if views or calls else ():
+        hit = built.get(_key_of(spec, ids))
+        if hit is None:
+            continue
+        adjoint = None
+        if views and views.get((spec, True)) and hit[0].identity_offset is None:
+            adjoint = hit[0].transposed()
+            up = KernelMapKey(ids[spec.output_stride], spec.kernel_size, spec.stride, spec.dilation, True, False)
+            built[up] = (adjoint, ids[spec.source_stride])
+        for kernel_map, which in ((hit[0], (spec, False)), (adjoint, (spec, True))):
+            if kernel_map is None:
                 continue
-            if views.get((spec, False)):
-                wanted.append((hit[0], list(views[spec, False])))
-            if views.get((spec, True)) and hit[0].identity_offset is None:
-                adjoint = hit[0].transposed()
-                up = KernelMapKey(ids[spec.output_stride], spec.kernel_size, spec.stride, spec.dilation, True, False)
-                built[up] = (adjoint, ids[spec.source_stride])
-                wanted.append((adjoint, list(views[spec, True])))
+            if views and views.get(which):
+                wanted.append((kernel_map, list(views[which])))
+            recipes = calls.get(which) if calls else None
+            if recipes:
+                kernel_map.__dict__["planned_calls"] = recipes  # the new record keeps them (Record.note)
+                prepared.append((kernel_map, list(recipes)))
+    if views:
         for builder in _view_builders:
             builder(wanted)
-    if calls and _call_builder is not None:
-        prepared = []
-        for spec in plan:
-            hit = built.get(_key_of(spec, ids))
-            up = KernelMapKey(ids[spec.output_stride], spec.kernel_size, spec.stride, spec.dilation, True, False)
-            adjoint = built.get(up)  # an adjoint the view builders made
-            for kernel_map, which in ((hit, (spec, False)), (adjoint, (spec, True))):
-                recipes = calls.get(which)
-                if kernel_map is not None and recipes:
-                    kernel_map[0].__dict__["planned_calls"] = recipes  # the new record keeps them (Record.note)
-                    prepared.append((kernel_map[0], list(recipes)))
+    if calls:
         _call_builder(prepared)
     return built
 
