@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import plan
-from .hashing import CoordHashTable, floor_mask, floors_by_mask, pack_coords, range_violation, unpack_keys
+from .hashing import CoordHashTable, floor_masks, floor_sets, floors_by_mask, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
 
 
@@ -221,9 +221,10 @@ class CoordinateCache:
             return self._canonical[out_stride]
         if floors_by_mask(out_stride):
             # Floor-to-multiple of a power of two that divides the key's coordinate bias clears the
-            # low bits of each packed field: one AND, and the result stays in range.
-            coarse = torch.unique(self.keys(key.source) & floor_mask(out_stride))
-            return self.add(unpack_keys(coarse), out_stride, canonical=source.canonical, keys=coarse)
+            # low bits of each packed field: one AND, and the result stays in range (the set and its
+            # table as the map plan makes them, :func:`floor_sets`).
+            coarse = floor_sets(self.keys(key.source), floor_masks((out_stride,), self.device))
+            return self.add(coarse.coords, out_stride, canonical=source.canonical, keys=coarse.keys, table=coarse.table)
         step = _on_device((1, *out_stride), self.device)
         coarse = torch.div(source.coords, step, rounding_mode="floor") * step
         problem = range_violation(coarse)

@@ -28,8 +28,7 @@ COORD_MIN = -(1 << (COORD_BITS - 1))
 COORD_MAX = (1 << (COORD_BITS - 1)) - 1
 EMPTY_KEY = -1
 MAX_LEVELS = 8
-"""Coordinate sets whose tables one :func:`insert_sets` launch builds (its kernel finds a key's set
-by a scan over them)."""
+"""Coordinate sets one :func:`floor_sets` call makes (a MinkUNet's encoder makes four)."""
 MAX_MAPS = 16
 """Kernel maps one :func:`query_many` launch queries (its kernel finds a row's map by a scan over them)."""
 
@@ -81,6 +80,12 @@ def floor_mask(stride: tuple[int, int, int]) -> int:
     ``stride`` (powers of two that divide the bias -COORD_MIN; the result stays in range)."""
     low = sum((s - 1) << (COORD_BITS * (2 - axis)) for axis, s in enumerate(stride))
     return ~low
+
+
+@functools.lru_cache(maxsize=64)
+def floor_masks(strides: tuple[tuple[int, int, int], ...], device: torch.device) -> torch.Tensor:
+    """(L,) int64 :func:`floor_mask` of each stride, on ``device`` (made once: :func:`floor_sets` reads them)."""
+    return torch.tensor([floor_mask(stride) for stride in strides], dtype=torch.int64).to(device)
 
 
 def unpack_keys(keys: torch.Tensor) -> torch.Tensor:
@@ -346,20 +351,53 @@ class CoordHashTable:
         return out
 
 
-def insert_sets(keys: torch.Tensor, starts: list[int], table_keys: torch.Tensor, table_values: torch.Tensor,
-                bases: list[int], capacities: list[int]) -> None:
-    """Insert several coordinate sets into their tables in one launch.
+class FloorSets(NamedTuple):
+    """The coordinate sets of :func:`floor_sets`, set after set in one array each."""
 
-    keys: (N,) int64 unique within each set, set ``l`` from ``starts[l]``; set ``l``'s table is
-    ``capacities[l]`` (a power of two) slots from ``bases[l]`` of ``table_keys`` (int64, filled
-    with -1) and ``table_values`` (int32). At most :data:`MAX_LEVELS` sets."""
-    if len(starts) > MAX_LEVELS:
-        raise ValueError(f"insert_sets takes at most {MAX_LEVELS} sets, got {len(starts)}")
-    if keys.shape[0] == 0:
-        return
-    levels = _rows_on(keys.device, [[start, base, capacity - 1]
-                                    for start, base, capacity in zip(starts, bases, capacities)])
-    _launch(_kernels().insert_levels, keys.shape[0], [keys, levels, table_keys, table_values], keys.device)
+    keys: torch.Tensor
+    """(M,) int64 packed keys."""
+    coords: torch.Tensor
+    """(M, 4) int32, the keys unpacked."""
+    counts: list[int]
+    """Each set's rows (on the host)."""
+    table: CoordHashTable
+    """Every set's table: set ``l``'s is the ``capacity`` slots from ``l * capacity`` of its arrays."""
+    capacity: int
+
+
+def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:
+    """The floors of a coordinate set at several strides, with their hash tables: three Warp launches, a
+    prefix sum and one host read (every set's size), where torch's ``unique`` sorted the keys (~10 launches
+    and a sync on a GPU). keys: (N,) int64 packed keys of unique rows; masks: (L,) int64 on their device,
+    :func:`floor_mask` of each stride (at most :data:`MAX_LEVELS`).
+
+    Set ``l`` holds each cell of ``keys & masks[l]`` once, in the order of the cell's first row in
+    ``keys`` (the smallest row index, so the order is repeatable: the threads' atomics pick a maximum,
+    not a winner). Each table has as many slots as the input set's own (``_capacity(N)``): the cells are
+    counted only after the inserts."""
+    n, levels = keys.shape[0], masks.shape[0]
+    if not 0 < levels <= MAX_LEVELS:
+        raise ValueError(f"floor_sets takes 1 to {MAX_LEVELS} masks, got {levels}")
+    capacity = _capacity(n)
+    # One allocation, one fill: every level's keys (-1 = empty) and, as int32 behind them, its slots'
+    # values, which hold each cell's first row until the compaction writes its rank there.
+    buffer = torch.full((levels * capacity * 3 // 2,), EMPTY_KEY, dtype=torch.int64, device=keys.device)
+    table = CoordHashTable(buffer[: levels * capacity], buffer[levels * capacity:].view(torch.int32))
+    if n == 0:
+        empty = torch.empty((0,), dtype=torch.int64, device=keys.device)
+        return FloorSets(empty, unpack_keys(empty), [0] * levels, table, capacity)
+    slots, flags = torch.empty((2, levels * n), dtype=torch.int32, device=keys.device)
+    kernels, device = _kernels(), keys.device
+    _launch(kernels.floor_insert, (levels, n), [keys, masks, table.keys, table.values, slots, capacity - 1], device)
+    _launch(kernels.floor_firsts, (levels, n), [table.values, slots, flags, n, capacity], device)
+    ranks = torch.cumsum(flags.view(levels, n), dim=1, dtype=torch.int32)
+    counts = ranks[:, -1].tolist()  # the one host read: every set's size
+    total = sum(counts)
+    out = torch.empty((3 * total,), dtype=torch.int64, device=device)  # the keys, then the coords as int32
+    unique, coords = out[:total], out[total:].view(torch.int32).view(total, 4)
+    _launch(kernels.floor_compact, (levels, n),
+            [keys, masks, slots, flags, ranks.view(-1), capacity, unique, coords, table.values], device)
+    return FloorSets(unique, coords, counts, table, capacity)
 
 
 class MapQuery(NamedTuple):

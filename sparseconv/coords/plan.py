@@ -5,11 +5,11 @@ time: each new coordinate set, table and neighbour query was its own launches, a
 ``unique`` and each submanifold map's pair count a host sync of its own (a MinkUNet: 14 Warp
 launches, 4 + 5 syncs). Remembering which maps the last two batches of a device asked for (as
 strides and geometries, not set ids), the first map request of a new batch builds them all: every
-canonical power-of-two coordinate set by one batched sort of the input's floored keys (one sync for
-all their sizes), their tables in one launch, every neighbour table in one launch on a GPU (up to
+canonical power-of-two coordinate set and its table by :func:`~.hashing.floor_sets` (hash inserts of the
+input's floored keys, one sync for all their sizes), every neighbour table in one launch on a GPU (up to
 16 maps, of any kernel volumes, reading the input set's or the coarse sets' arrays), and the
 submanifold maps' pair counts in one more transfer. The maps are those a lazy build makes, bit for
-bit (sets sorted by packed key, the same queries); a planned map no layer asks for again is built
+bit (the same sets, in their cells' first-row order, and the same queries); a planned map no layer asks for again is built
 for nothing, and the plan forgets it after two batches.
 """
 
@@ -27,11 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from .. import config
-from .hashing import (
-    EMPTY_KEY, MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, _capacity, _values, floor_mask, floors_by_mask,
-    insert_sets, query_many, unpack_keys,
-)
-from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple, _nonzero, offset_deltas
+from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_masks, floor_sets, floors_by_mask, query_many
+from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple, offset_deltas
 
 if TYPE_CHECKING:
     from .cache import CoordinateCache
@@ -291,31 +288,13 @@ class Levels(NamedTuple):
 
 def _add_levels(cache: CoordinateCache, strides: list[Triple]) -> Levels:
     """Register the canonical sets at ``strides`` (floors of the input set), with their tables."""
-    keys = cache.keys(0)
-    if len(strides) == 1:
-        # One set: torch's unique (its sort and compaction, and the one host sync for the size) costs the
-        # host ~140 us where the batched ops below cost ~230 (a lone strided conv's batch, H200 host).
-        unique = torch.unique(keys & floor_mask(strides[0]))
-        counts = [unique.shape[0]]
-    else:
-        floored = keys[None, :] & _floor_masks(tuple(strides), keys.device)[:, None]
-        ordered = floored.sort(dim=1).values
-        first = torch.ones_like(ordered, dtype=torch.bool)
-        torch.ne(ordered[:, 1:], ordered[:, :-1], out=first[:, 1:])
-        counts = first.sum(1).tolist()  # the one host sync for every set's size
-        unique = ordered.view(-1)[_nonzero(first.view(-1), sum(counts))[:, 0]]
-    coords = unpack_keys(unique)
-    starts = [0, *itertools.accumulate(counts)]
-    capacities = [_capacity(n) for n in counts]
-    bases = [0, *itertools.accumulate(capacities)]
-    table = CoordHashTable(torch.full((bases[-1],), EMPTY_KEY, dtype=torch.int64, device=keys.device),
-                           _values(bases[-1], keys.device))
-    insert_sets(unique, starts[:-1], table.keys, table.values, bases[:-1], capacities)
+    sets = floor_sets(cache.keys(0), floor_masks(tuple(strides), cache.device))
+    starts = [0, *itertools.accumulate(sets.counts)]
     for level, stride in enumerate(strides):
-        rows, slots = slice(starts[level], starts[level + 1]), slice(bases[level], bases[level + 1])
-        cache.add(coords[rows], stride, canonical=True, keys=unique[rows],
-                  table=CoordHashTable(table.keys[slots], table.values[slots]))
-    return Levels(coords, table)
+        rows, slots = slice(starts[level], starts[level + 1]), slice(level * sets.capacity, (level + 1) * sets.capacity)
+        cache.add(sets.coords[rows], stride, canonical=True, keys=sets.keys[rows],
+                  table=CoordHashTable(sets.table.keys[slots], sets.table.values[slots]))
+    return Levels(sets.coords, sets.table)
 
 
 def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int], base: Triple, levels: Levels | None
@@ -439,11 +418,6 @@ def _floorable(stride: Triple, base: Triple) -> bool:
     """Whether the canonical set at ``stride`` is the floor of a set at ``base`` that the lazy build
     makes by one AND of packed keys (:func:`~sparseconv.coords.hashing.floors_by_mask`)."""
     return stride != base and floors_by_mask(stride) and all(s % b == 0 for s, b in zip(stride, base))
-
-
-@functools.lru_cache(maxsize=64)
-def _floor_masks(strides: tuple[Triple, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor([floor_mask(stride) for stride in strides], dtype=torch.int64).to(device)
 
 
 @functools.lru_cache(maxsize=64)

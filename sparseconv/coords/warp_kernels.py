@@ -1,5 +1,5 @@
 """The warp-lang kernels of the coordinate hash tables, defined on first use (importing sparseconv
-must not start Warp): inserts (one set, one set with the input checks, several sets at once) and
+must not start Warp): inserts (one set, one set with the input checks, the floors of a set at several strides) and
 neighbour queries (one map, several maps at once). :mod:`.hashing` launches them."""
 
 from __future__ import annotations
@@ -150,21 +150,79 @@ def define() -> SimpleNamespace:
                                  wp.int64(0), mask)
 
     @wp.kernel
-    def insert_levels(
+    def floor_insert(
         keys: wp.array(dtype=wp.int64),
-        levels: wp.array2d(dtype=wp.int64),
+        masks: wp.array(dtype=wp.int64),
         table_keys: wp.array(dtype=wp.int64),
+        first: wp.array(dtype=wp.int32),
+        slots: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+    ):
+        # Thread (l, i): input row i's cell at level l (its key AND masks[l]) into level l's table (the
+        # mask + 1 slots from l * (mask + 1)); the slot keeps the cell's first row as n - row, the
+        # largest (first filled with -1), and slots[l * n + i] the slot.
+        level, i = wp.tid()
+        n = wp.int64(keys.shape[0])
+        key = keys[i] & masks[level]
+        base = wp.int64(level) * (mask + wp.int64(1))
+        slot = home_slot(key, mask)
+        probes = wp.int64(0)
+        while probes <= mask:
+            previous = wp.atomic_cas(table_keys, base + slot, wp.int64(-1), key)
+            if previous == wp.int64(-1) or previous == key:
+                wp.atomic_max(first, base + slot, wp.int32(n - wp.int64(i)))
+                slots[wp.int64(level) * n + wp.int64(i)] = wp.int32(slot)
+                return
+            slot = (slot + wp.int64(1)) & mask
+            probes += wp.int64(1)
+
+    @wp.kernel
+    def floor_firsts(
+        first: wp.array(dtype=wp.int32),
+        slots: wp.array(dtype=wp.int32),
+        flags: wp.array(dtype=wp.int32),
+        n: wp.int64,
+        capacity: wp.int64,
+    ):
+        # flags[l * n + i] = 1 where row i is its level-l cell's first row (after floor_insert).
+        level, i = wp.tid()
+        at = wp.int64(level) * n + wp.int64(i)
+        flags[at] = wp.where(first[wp.int64(level) * capacity + wp.int64(slots[at])] == wp.int32(n - wp.int64(i)),
+                             wp.int32(1), wp.int32(0))
+
+    @wp.kernel
+    def floor_compact(
+        keys: wp.array(dtype=wp.int64),
+        masks: wp.array(dtype=wp.int64),
+        slots: wp.array(dtype=wp.int32),
+        flags: wp.array(dtype=wp.int32),
+        ranks: wp.array(dtype=wp.int32),
+        capacity: wp.int64,
+        out_keys: wp.array(dtype=wp.int64),
+        out_coords: wp.array2d(dtype=wp.int32),
         table_values: wp.array(dtype=wp.int32),
     ):
-        # Several coordinate sets' tables in one launch: levels[l] = (start of set l's keys, base of
-        # its table in the shared arrays, slots - 1).
-        i = wp.int64(wp.tid())
-        level = int(0)
-        for candidate in range(1, levels.shape[0]):
-            if i >= levels[candidate, 0]:
-                level = candidate
-        insert_key(keys[i], wp.int32(i - levels[level, 0]), table_keys, table_values, levels[level, 1],
-                   levels[level, 2])
+        # The first row of each cell writes the cell at its rank (ranks: the inclusive prefix sums of
+        # flags, level by level) after the cells of the levels before, unpacked, and its rank into its
+        # table slot (that slot's first-row value is read no more).
+        level, i = wp.tid()
+        n = wp.int64(keys.shape[0])
+        at = wp.int64(level) * n + wp.int64(i)
+        if flags[at] == wp.int32(0):
+            return
+        start = wp.int64(0)
+        for before in range(level):
+            start += wp.int64(ranks[wp.int64(before) * n + n - wp.int64(1)])
+        rank = ranks[at] - wp.int32(1)
+        row = start + wp.int64(rank)
+        key = keys[i] & masks[level]
+        out_keys[row] = key
+        field = coord_span - wp.int64(1)
+        out_coords[row, 0] = wp.int32(key >> (wp.int64(3) * coord_bits))
+        out_coords[row, 1] = wp.int32(((key >> (wp.int64(2) * coord_bits)) & field) - coord_bias)
+        out_coords[row, 2] = wp.int32(((key >> coord_bits) & field) - coord_bias)
+        out_coords[row, 3] = wp.int32((key & field) - coord_bias)
+        table_values[wp.int64(level) * capacity + wp.int64(slots[at])] = rank
 
     @wp.func
     def map_lookup(coords: wp.array2d(dtype=wp.int32), row: wp.int64, offsets: wp.array2d(dtype=wp.int32),
@@ -228,4 +286,5 @@ def define() -> SimpleNamespace:
             transposed[transposed_base + wp.int64(found) * volume + offset] = wp.int32(local)
 
     return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
-                           insert_levels=insert_levels, query_maps=query_maps)
+                           query_maps=query_maps, floor_insert=floor_insert,
+                           floor_firsts=floor_firsts, floor_compact=floor_compact)

@@ -11,7 +11,7 @@ from sparse_reference import brute_force_map, offsets
 
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey, center_offset, offset_deltas
-from sparseconv.coords.hashing import COORD_MAX, COORD_MIN, CoordHashTable, pack_coords
+from sparseconv.coords.hashing import COORD_MAX, COORD_MIN, CoordHashTable, floor_masks, floor_sets, pack_coords
 
 
 @st.composite
@@ -122,6 +122,38 @@ def test_hash_table_finds_every_key_and_nothing_else_at_the_range_limits(device)
     for r, (_, plus_x, minus_z) in zip(rows.tolist(), found.tolist()):
         assert plus_x == index.get((r[0], r[1] + 1, r[2], r[3]), -1)
         assert minus_z == index.get((r[0], r[1], r[2], r[3] - 1), -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_floor_sets_list_each_cell_once_in_first_row_order_with_tables_that_find_them(device):
+    # Rows shuffled (first-row order is not key order), cells of many rows and of one, negative
+    # coordinates and the range limits (the floors stay in range), an anisotropic stride.
+    corners = torch.tensor([[0, COORD_MIN, COORD_MIN, COORD_MIN], [4095, COORD_MAX, COORD_MAX, COORD_MAX]],
+                           dtype=torch.int32)
+    rows = torch.cat([corners, torch.randint(-40, 40, (3000, 4), dtype=torch.int32)])
+    rows[:, 0] = rows[:, 0].abs() % 3
+    rows = rows.unique(dim=0)
+    rows = rows[torch.randperm(len(rows))].to(device)
+    keys = pack_coords(rows)
+    strides = ((2, 2, 2), (8, 8, 8), (1, 4, 2))
+    sets = floor_sets(keys, floor_masks(strides, keys.device))
+    assert sets.keys.shape == (sum(sets.counts),) and sets.coords.shape == (sum(sets.counts), 4)
+    firsts = 0
+    for level, stride in enumerate(strides):
+        expected = {}
+        for row in rows.tolist():
+            cell = (row[0], *[(c // s) * s for c, s in zip(row[1:], stride)])
+            expected.setdefault(cell, len(expected))
+        part = slice(firsts, firsts + sets.counts[level])
+        assert [tuple(r) for r in sets.coords[part].tolist()] == list(expected), f"stride {stride}"
+        assert torch.equal(sets.keys[part], pack_coords(sets.coords[part]))
+        slots = slice(level * sets.capacity, (level + 1) * sets.capacity)
+        table = CoordHashTable(sets.table.keys[slots], sets.table.values[slots])
+        probe = torch.tensor([[0, 0, 0], [stride[0], 0, 0]], dtype=torch.int32, device=device)
+        found = table.neighbors(sets.coords[part], probe).tolist()
+        assert [f[0] for f in found] == list(range(len(expected)))
+        assert [f[1] for f in found] == [expected.get((c[0], c[1] + stride[0], *c[2:]), -1) for c in expected]
+        firsts += sets.counts[level]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -91,7 +91,7 @@ def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, one_launch, mo
 @pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_plan_of_one_coarse_set_gets_the_maps_a_lazy_build_makes(device, one_launch, monkeypatch):
-    # One strided conv: its coarse set is one level (torch's unique), not the batched sort of several.
+    # One strided conv: its coarse set is the plan's one level, made as a lazy build makes it.
     monkeypatch.setattr(plan, "_one_launch", lambda _: one_launch)
 
     def one_level(x: SparseTensor) -> list:
@@ -105,13 +105,8 @@ def test_a_plan_of_one_coarse_set_gets_the_maps_a_lazy_build_makes(device, one_l
 
     one_level(batch(device, 0))
     x = batch(device, 1)
-    uniques = []
-    unique = torch.unique
-    monkeypatch.setattr(torch, "unique", lambda *args, **kwargs: uniques.append(1) or unique(*args, **kwargs))
     planned = one_level(x)
-    monkeypatch.setattr(torch, "unique", unique)
     assert x.cache.set_count() == 2 and x.cache._planned == {}, "the coarse set and its maps came from the plan"
-    assert len(uniques) == 1, "one level: torch's unique"
     monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
     y = batch(device, 1)
     assert_same_maps(planned, one_level(y), x.cache, y.cache)
@@ -127,10 +122,10 @@ def test_a_planned_batch_builds_its_sets_and_tables_at_once_reading_the_host_onc
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or tolist(self))
     x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
-    # Four coarse sets' tables in one launch; no per-set insert; one read, for their sizes: the
-    # pair counts are copied without waiting, and read where first needed.
+    # Three coarse sets and their tables in one insert launch; no per-set insert; one read, for their
+    # sizes: the pair counts are copied without waiting, and read where first needed.
     names = [key.rsplit("__", 1)[-1] for key in launches]
-    assert names.count("insert_levels") == 1 and "insert" not in names
+    assert names.count("floor_insert") == 1 and "insert" not in names
     assert len(reads) == 1
     assert x.cache.set_count() == 4  # the input, strides 2, 4, 8 (stride 3 and the generated set: lazily)
     # Every planned map's pair counts come from that one copy, its adjoint's too (the wgrad
@@ -169,17 +164,15 @@ def test_only_a_batchs_first_set_is_planned_from(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_query_many_equals_one_query_per_map(device):
     torch.manual_seed(7)
-    sets = [random_coords(n, 12, batch_size=2, stride=(s, s, s), device=device) for n, s in ((400, 1), (300, 2), (200, 4))]
+    fine = random_coords(400, 12, batch_size=2, device=device)
     # The input set's coordinates and table in arrays of their own, the coarse sets' together (as a
     # planned batch holds them): a query's flags pick the arrays.
-    fine_table = CoordHashTable.build(sets[0])
-    capacities = [hashing._capacity(len(s)) for s in sets[1:]]
-    bases = [0, capacities[0]]
-    coarse_tables = CoordHashTable(torch.full((sum(capacities),), -1, dtype=torch.int64, device=device),
-                                   torch.empty(sum(capacities), dtype=torch.int32, device=device))
-    hashing.insert_sets(torch.cat([pack_coords(s) for s in sets[1:]]), [0, len(sets[1])], coarse_tables.keys,
-                        coarse_tables.values, bases, capacities)
-    coarse_coords = torch.cat(sets[1:])
+    fine_table = CoordHashTable.build(fine)
+    coarse = hashing.floor_sets(pack_coords(fine), hashing.floor_masks(((2, 2, 2), (4, 4, 4)), fine.device))
+    sets = [fine, *coarse.coords.split(coarse.counts)]
+    capacities = [coarse.capacity] * 2
+    bases = [0, coarse.capacity]
+    coarse_tables, coarse_coords = coarse.table, coarse.coords
     row_base = [0, 0, len(sets[1])]
     table_base = [0, *bases]
     capacity = [fine_table.keys.shape[0], *capacities]
