@@ -127,8 +127,9 @@ class CoordinateCache:
                 keys = self._keys.get(set_id)
                 if keys is not None and keys.untyped_storage().data_ptr() == table.keys.untyped_storage().data_ptr():
                     # The input's keys share one allocation with its table (the checks' kernel,
-                    # CoordHashTable.build_checked): a copy of their own lets the table's go.
-                    self._keys[set_id] = keys.clone()
+                    # CoordHashTable.build_checked): they go with it (:meth:`keys` packs them again
+                    # if a map the plan did not make asks; a copy cost every batch a launch).
+                    del self._keys[set_id]
 
     def built_map(self, key: KernelMapKey) -> tuple[KernelMap, int] | None:
         """What :meth:`kernel_map` returns for ``key`` if that map is built already, else None

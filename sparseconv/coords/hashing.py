@@ -321,10 +321,12 @@ class CoordHashTable:
         """
         n = coords.shape[0]
         capacity = _capacity(n)
-        # One allocation, one fill: the empty table (-1 keys), the keys (all written) and the flags (-1 = clear).
-        buffer = torch.full((capacity + n + 4,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
-        table = cls(buffer[:capacity], _values(capacity, buffer.device))
-        keys, flags = buffer[capacity: capacity + n], buffer[capacity + n:]
+        # One allocation, one fill: the empty table (-1 keys; its int32 values behind them, read only where a
+        # key matched), the keys (all written) and the flags (-1 = clear).
+        slots = capacity * 3 // 2
+        buffer = torch.full((slots + n + 4,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
+        table = cls(buffer[:capacity], buffer[capacity: slots].view(torch.int32))
+        keys, flags = buffer[slots: slots + n], buffer[slots + n:]
         _launch(_kernels().insert_checked, n,
                 [coords.contiguous(), *stride, keys, table.keys, table.values, capacity - 1, flags], coords.device)
         return table, keys, flags

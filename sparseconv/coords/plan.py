@@ -379,8 +379,7 @@ def _count_pairs(maps: list[KernelMap]) -> None:
     host sync each in a training step's backward, with the GPU busy."""
     if not maps:
         return
-    # One map: two torch ops (a batched count would copy its table of bounds to the device first)
-    counted = None if _pair_counter is None or len(maps) == 1 else _pair_counter(maps)
+    counted = None if _pair_counter is None else _pair_counter(maps)
     if counted is None:
         counts = [(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]
         counted = (counts[0] if len(counts) == 1 else torch.cat(counts),

@@ -283,3 +283,22 @@ def test_planned_pair_counts_wait_for_their_copy_when_the_gpu_is_behind(monkeypa
     planned = [kernel_map for kernel_map, _ in x.cache._planned.values()]
     read = [kernel_map.pair_counts for kernel_map in planned]
     assert read == [(kernel_map.neighbors >= 0).sum(0).tolist() for kernel_map in planned]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_copies_take_a_kept_pinned_slot_again_only_once_its_copy_is_done():
+    values = torch.randint(0, 1000, (40,), device="cuda")
+    first = kernel_map_module.HostCopy(values)
+    address = first._host.data_ptr()
+    assert first.values() == values.tolist()
+    again = kernel_map_module.HostCopy(values + 1)  # the slot the first gave back once read
+    assert again._host.data_ptr() == address and again.values() == (values + 1).tolist()
+    # A copy queued behind ~50 ms of GPU work and dropped unread: its slot is still being written to,
+    # so the next copy takes another (reading that one would see the late copy land on it).
+    torch.cuda._sleep(100_000_000)
+    pending = kernel_map_module.HostCopy(values + 2)
+    busy = pending._host.data_ptr()
+    del pending
+    other = kernel_map_module.HostCopy(values + 3)
+    assert other._host.data_ptr() != busy and other.values() == (values + 3).tolist()

@@ -169,7 +169,7 @@ def test_pair_lists_of_the_kernels_are_the_maps_own(mode, device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_pair_counts_of_several_maps_in_one_launch_are_each_maps_own(device):
+def test_pair_counts_of_several_maps_in_one_launch_and_of_one_alone_are_each_maps_own(device):
     """The map plan's pair counts from one launch over several tables (27, 125 and 8 offsets, rows
     not a multiple of a block): each map's, as torch counts them, from a 16-byte aligned start."""
     maps = [_input_and_map(mode, 2, device, torch.float32, n=n, extent=9 if device == "cpu" else 40)[1]
@@ -180,6 +180,9 @@ def test_pair_counts_of_several_maps_in_one_launch_are_each_maps_own(device):
     for kernel_map, start in zip(maps, starts):
         expected = (kernel_map.neighbors >= 0).sum(0)
         assert torch.equal(counts[start: start + kernel_map.kernel_volume], expected) and expected.sum() > 0
+    for kernel_map in maps:  # one map alone: the one-table kernel
+        counts, starts = planned_views.pair_counts([kernel_map])
+        assert starts == [0] and torch.equal(counts, (kernel_map.neighbors >= 0).sum(0))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -362,6 +362,7 @@ def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequenc
         warm(kernels.orders_from_positions, device, i64, i64, 2, BLOCK=MASK_ROWS)
     # the map plan's pair counts (its widest table sets the block: this one's, a submanifold 3^3)
     warm(kernels.pair_counts_many, device, i64, i64, 2, BLOCK=_pair_block(volume), WIDTH=_width(volume))
+    warm(kernels.pair_counts, device, i32, i64, 2, volume, BLOCK=_pair_block(volume), WIDTH=_width(volume))
     for lo, hi in groups:
         width = hi - lo  # the row order below: int64 sort indices
         args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, block_m)

@@ -186,8 +186,9 @@ class _PlanBuffer:
 
 def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
     """The map plan's pair counts (:func:`sparseconv.coords.plan.set_pair_counter`): every map's
-    pairs per offset in one launch on a GPU (tables by address), where torch took two ops a map
-    and a concatenation (~27 a street1 pass), and each map's start in them (16-byte aligned: the
+    pairs per offset in one launch on a GPU (tables by address; one map's by its arguments), where
+    torch took two ops a map and a concatenation (~27 a street1 pass; one map's sum alone ~60 µs of
+    host time, H200), and each map's start in them (16-byte aligned: the
     mask kernels take a map's counts as a pointer, and Triton compiles a kernel per alignment);
     None where the kernels do not run (see :func:`fused`)."""
     tables = [m.neighbors for m in maps]
@@ -195,6 +196,13 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
         return None
     widest = max(t.shape[1] for t in tables)
     block = _pair_block(widest)  # one block height for all: the widest table's
+    if len(tables) == 1:  # no table of addresses to copy to the device: the one-table kernel
+        (rows, width), = (t.shape for t in tables)
+        out = torch.zeros(width, dtype=torch.int64, device=tables[0].device)
+        if rows:
+            launch(tk.kernels().pair_counts, (-(-rows // block),), tables[0], out, rows, width, BLOCK=block,
+                   WIDTH=_width(width))
+        return out, [0]
     meta, first, starts = [], 0, [0]
     for table in tables:
         rows, width = table.shape

@@ -274,20 +274,30 @@ def _define() -> SimpleNamespace:
         masks = tl.where(r < rows, masks, (1 << BITS) - 1) | (g.to(tl.int64) << BITS)
         tl.store(out_ptr + g.to(tl.int64) * stride + r, masks.to(out_ptr.dtype.element_ty), mask=r < stride)
 
-    @triton.jit(do_not_specialize=["entries"])
-    def pair_counts_many(meta_ptr, out_ptr, entries, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-        """Pairs per offset of several neighbour tables in one launch, added into a zeroed int64
-        ``out`` (integer atomics: the sums do not depend on their order). Per table, 5 int64
-        (first block, table address, rows, width = row stride, where its counts start in out)."""
-        meta, e, block = _entry(meta_ptr, entries, 5)
-        table_ptr = tl.load(meta + 1).to(tl.pointer_type(tl.int32))
-        rows = tl.load(meta + 2)
-        width = tl.load(meta + 3)
+    @triton.jit
+    def _count_block(table_ptr, out_ptr, rows, width, block, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """Add the pairs per offset of one block of rows of a (rows, width) neighbour table into ``out``
+        (integer atomics: the sums do not depend on their order)."""
         r = block * BLOCK + tl.arange(0, BLOCK)
         k = tl.arange(0, WIDTH)
         ok = (r[:, None] < rows) & (k[None, :] < width)
         present = tl.load(table_ptr + r[:, None] * width + k[None, :], mask=ok, other=-1) >= 0
-        tl.atomic_add(out_ptr + tl.load(meta + 4) + k, tl.sum(present.to(tl.int64), axis=0), mask=k < width)
+        tl.atomic_add(out_ptr + k, tl.sum(present.to(tl.int64), axis=0), mask=k < width)
+
+    globals().update(_count_block=_count_block)  # found by the interpreter (see above)
+
+    @triton.jit(do_not_specialize=["rows"])
+    def pair_counts(table_ptr, out_ptr, rows, width, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """Pairs per offset of one (rows, width) neighbour table, added into a zeroed int64 ``out``."""
+        _count_block(table_ptr, out_ptr, rows, width, tl.program_id(0).to(tl.int64), BLOCK, WIDTH)
+
+    @triton.jit(do_not_specialize=["entries"])
+    def pair_counts_many(meta_ptr, out_ptr, entries, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """:func:`pair_counts` of several neighbour tables in one launch. Per table, 5 int64 (first
+        block, table address, rows, width = row stride, where its counts start in out)."""
+        meta, e, block = _entry(meta_ptr, entries, 5)
+        table_ptr = tl.load(meta + 1).to(tl.pointer_type(tl.int32))
+        _count_block(table_ptr, out_ptr + tl.load(meta + 4), tl.load(meta + 2), tl.load(meta + 3), block, BLOCK, WIDTH)
 
     @triton.jit(do_not_specialize=["entries"])
     def row_masks_many(meta_ptr, out_ptr, entries, BLOCK: tl.constexpr, WIDTH: tl.constexpr, SHIFT: tl.constexpr):
@@ -381,7 +391,7 @@ def _define() -> SimpleNamespace:
                            row_masks=row_masks, tile_plan=tile_plan, tile_plans=tile_plans,
                            orders_from_positions=orders_from_positions,
                            pair_blocks=pair_blocks, pair_lists=pair_lists, row_masks_many=row_masks_many,
-                           pair_counts_many=pair_counts_many)
+                           pair_counts=pair_counts, pair_counts_many=pair_counts_many)
 
 
 
