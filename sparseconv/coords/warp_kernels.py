@@ -149,80 +149,89 @@ def define() -> SimpleNamespace:
         neighbors[i, k] = lookup(shifted_key(coords, wp.int64(i), offsets, wp.int64(k)), table_keys, table_values,
                                  wp.int64(0), mask)
 
+    @wp.func
+    def floor_slot(key: wp.int64, table_keys: wp.array(dtype=wp.int64), base: wp.int64, mask: wp.int64) -> wp.int64:
+        """The slot of ``key`` in the table at ``base`` (``mask + 1`` slots), inserted if absent; -1 if full."""
+        slot = home_slot(key, mask)
+        probes = wp.int64(0)
+        while probes <= mask:
+            previous = wp.atomic_cas(table_keys, base + slot, wp.int64(-1), key)
+            if previous == wp.int64(-1) or previous == key:
+                return slot
+            slot = (slot + wp.int64(1)) & mask
+            probes += wp.int64(1)
+        return wp.int64(-1)
+
     @wp.kernel
     def floor_insert(
         keys: wp.array(dtype=wp.int64),
         masks: wp.array(dtype=wp.int64),
         table_keys: wp.array(dtype=wp.int64),
         first: wp.array(dtype=wp.int32),
-        slots: wp.array(dtype=wp.int32),
         mask: wp.int64,
     ):
         # Thread (l, i): input row i's cell at level l (its key AND masks[l]) into level l's table (the
-        # mask + 1 slots from l * (mask + 1)); the slot keeps the cell's first row as n - row, the
-        # largest (first filled with -1), and slots[l * n + i] the slot.
+        # mask + 1 slots from l * (mask + 1)); the slot's value keeps the cell's first row as n - row,
+        # the largest (first filled with -1).
         level, i = wp.tid()
         n = wp.int64(keys.shape[0])
-        key = keys[i] & masks[level]
         base = wp.int64(level) * (mask + wp.int64(1))
-        slot = home_slot(key, mask)
-        probes = wp.int64(0)
-        while probes <= mask:
-            previous = wp.atomic_cas(table_keys, base + slot, wp.int64(-1), key)
-            if previous == wp.int64(-1) or previous == key:
-                wp.atomic_max(first, base + slot, wp.int32(n - wp.int64(i)))
-                slots[wp.int64(level) * n + wp.int64(i)] = wp.int32(slot)
-                return
-            slot = (slot + wp.int64(1)) & mask
-            probes += wp.int64(1)
+        slot = floor_slot(keys[i] & masks[level], table_keys, base, mask)
+        if slot >= wp.int64(0):
+            wp.atomic_max(first, base + slot, wp.int32(n - wp.int64(i)))
 
     @wp.kernel
     def floor_firsts(
+        keys: wp.array(dtype=wp.int64),
+        masks: wp.array(dtype=wp.int64),
+        table_keys: wp.array(dtype=wp.int64),
         first: wp.array(dtype=wp.int32),
-        slots: wp.array(dtype=wp.int32),
-        flags: wp.array(dtype=wp.int32),
-        n: wp.int64,
-        capacity: wp.int64,
+        mask: wp.int64,
+        marks: wp.array(dtype=wp.int32),
     ):
-        # flags[l * n + i] = 1 where row i is its level-l cell's first row (after floor_insert).
+        # marks[l * n + i] = 1 where row i is its level-l cell's first row (after floor_insert), else 0.
         level, i = wp.tid()
-        at = wp.int64(level) * n + wp.int64(i)
-        flags[at] = wp.where(first[wp.int64(level) * capacity + wp.int64(slots[at])] == wp.int32(n - wp.int64(i)),
-                             wp.int32(1), wp.int32(0))
+        n = wp.int64(keys.shape[0])
+        base = wp.int64(level) * (mask + wp.int64(1))
+        slot = floor_slot(keys[i] & masks[level], table_keys, base, mask)
+        marks[wp.int64(level) * n + wp.int64(i)] = wp.where(
+            slot >= wp.int64(0) and first[base + slot] == wp.int32(n - wp.int64(i)), wp.int32(1), wp.int32(0))
 
     @wp.kernel
     def floor_compact(
         keys: wp.array(dtype=wp.int64),
         masks: wp.array(dtype=wp.int64),
-        slots: wp.array(dtype=wp.int32),
-        flags: wp.array(dtype=wp.int32),
+        table_keys: wp.array(dtype=wp.int64),
+        mask: wp.int64,
         ranks: wp.array(dtype=wp.int32),
-        capacity: wp.int64,
         out_keys: wp.array(dtype=wp.int64),
         out_coords: wp.array2d(dtype=wp.int32),
         table_values: wp.array(dtype=wp.int32),
     ):
-        # The first row of each cell writes the cell at its rank (ranks: the inclusive prefix sums of
-        # flags, level by level) after the cells of the levels before, unpacked, and its rank into its
-        # table slot (that slot's first-row value is read no more).
+        # ranks: the marks' inclusive prefix sums, level by level. The first row of each cell (its rank
+        # one above the row before's) writes the cell at its rank after the cells of the levels before,
+        # unpacked, and its rank into its table slot (that slot's first-row value is read no more).
         level, i = wp.tid()
         n = wp.int64(keys.shape[0])
         at = wp.int64(level) * n + wp.int64(i)
-        if flags[at] == wp.int32(0):
+        before = wp.int32(0)
+        if i > 0:
+            before = ranks[at - wp.int64(1)]
+        if ranks[at] == before:
             return
         start = wp.int64(0)
-        for before in range(level):
-            start += wp.int64(ranks[wp.int64(before) * n + n - wp.int64(1)])
-        rank = ranks[at] - wp.int32(1)
-        row = start + wp.int64(rank)
+        for earlier in range(level):
+            start += wp.int64(ranks[wp.int64(earlier) * n + n - wp.int64(1)])
+        row = start + wp.int64(before)
         key = keys[i] & masks[level]
+        base = wp.int64(level) * (mask + wp.int64(1))
         out_keys[row] = key
         field = coord_span - wp.int64(1)
         out_coords[row, 0] = wp.int32(key >> (wp.int64(3) * coord_bits))
         out_coords[row, 1] = wp.int32(((key >> (wp.int64(2) * coord_bits)) & field) - coord_bias)
         out_coords[row, 2] = wp.int32(((key >> coord_bits) & field) - coord_bias)
         out_coords[row, 3] = wp.int32((key & field) - coord_bias)
-        table_values[wp.int64(level) * capacity + wp.int64(slots[at])] = rank
+        table_values[base + floor_slot(key, table_keys, base, mask)] = before
 
     @wp.func
     def map_lookup(coords: wp.array2d(dtype=wp.int32), row: wp.int64, offsets: wp.array2d(dtype=wp.int32),

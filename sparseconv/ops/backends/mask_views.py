@@ -168,11 +168,14 @@ def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch
     kernels, device = tk.kernels(), table.device
     width, block = _width(volume), _pair_block(volume)
     blocks = max(1, tk.cdiv(rows, block))
-    counts = torch.empty((width, blocks), dtype=torch.int32, device=device)
     total = kernel_map.num_pairs
-    in_idx = torch.empty(total, dtype=torch.int64, device=device)
-    out_idx = torch.empty(total, dtype=torch.int64, device=device)
-    offset_ptr = torch.empty(volume + 1, dtype=torch.int64, device=device)
+    # One allocation for the lists, the offsets' starts and the blocks' counts (int32), each part 16-byte
+    # aligned (Triton compiles a kernel per pointer alignment): three torch ops fewer a map.
+    lists, starts = -(-total // 2) * 2, -(-(volume + 1) // 2) * 2
+    buffer = torch.empty(2 * lists + starts + -(-width * blocks // 4) * 2, dtype=torch.int64, device=device)
+    in_idx, _, out_idx, _, offset_ptr, _, counts = buffer.split_with_sizes(
+        (total, lists - total, total, lists - total, volume + 1, starts - volume - 1, buffer.shape[0] - 2 * lists - starts))
+    counts = counts.view(torch.int32)[: width * blocks].view(width, blocks)
     launch(kernels.pair_blocks, (blocks,), table, counts, rows, volume, blocks, BLOCK=block, WIDTH=width)
     # Each offset's counts along a row: torch scans an innermost dimension in parallel, where its scan
     # of (blocks, width) down the blocks took 151 µs of GPU time for street4's input map (H200).
@@ -234,7 +237,8 @@ def tile_offsets(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
                  group: tuple[int, int] | None = None) -> torch.Tensor:
     """(tiles, offsets of ``group``) bool: True where some row of the tile of ``block_m`` visited
     rows has a neighbour through that offset (cached on the map per tile height and group)."""
-    return tile_plan(kernel_map, forward, sort, block_m, group)[0]
+    used, offsets, _, _ = tile_plan(kernel_map, forward, sort, block_m, group)
+    return _as_flags(used, *offsets.shape)
 
 
 def active_lists(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int,
@@ -306,14 +310,21 @@ def _plan_layout(tiles: int, width: int, block_m: int) -> tuple[int, int, int, i
 
 def _plan_views(flat: torch.Tensor, tiles: int, width: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """(used, offsets, counts, slots) of a tile plan held in ``flat`` (laid out by
-    :func:`_plan_layout`, starting 16-byte aligned): what :func:`tile_plan` returns."""
+    :func:`_plan_layout`, starting 16-byte aligned): what :func:`tile_plan` returns, but ``used`` as the
+    int32 part that holds its bytes (:func:`tile_offsets` reads it as bools, the one reader)."""
     counts, slots, used, size = _plan_layout(tiles, width, block_m)
-    # One split for the parts and their pads (each slice a torch call of ~2 µs of host time: a
-    # training step makes ~25 plans)
+    # One split for the parts and their pads, and one view (each view a torch op of ~5-10 µs of host
+    # time in a step: a new batch makes ~25 plans, and its backward restores ~50)
     lists, _, per_tile, _, sources, flags = flat.split_with_sizes(
         (tiles * width, counts - tiles * width, tiles, slots - counts - tiles, used - slots, size - used))
-    return (flags.view(torch.bool).narrow(0, 0, tiles * width).view(tiles, width), lists.view(tiles, width), per_tile,
-            sources)
+    return flags, lists.view(tiles, width), per_tile, sources
+
+
+def _as_flags(used: torch.Tensor, tiles: int, width: int) -> torch.Tensor:
+    """A tile plan's (tiles, width) bool used flags (a fused plan holds their bytes in int32, :func:`_plan_views`)."""
+    if used.dtype == torch.bool:
+        return used
+    return used.view(torch.bool)[: tiles * width].view(tiles, width)
 
 
 def _aligned(count: int) -> int:
@@ -325,8 +336,8 @@ def launch_tile_plan(table: torch.Tensor, rows: torch.Tensor, views: tuple, lo: 
     """The ``tile_plan`` launch writing ``views`` (:func:`_plan_views`' (used, offsets, counts, slots))
     for the visiting order ``rows`` of ``table``'s offsets from ``lo``."""
     used, offsets, counts, slots = views
-    args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(), table.stride(0), lo,
-                                 offsets.shape[1], block_m)
+    args, options = _plan_launch(table, rows, _as_flags(used, *offsets.shape), offsets, counts, slots, rows.numel(),
+                                 table.stride(0), lo, offsets.shape[1], block_m)
     launch(tk.kernels().tile_plan, (offsets.shape[0],), *args, **options)
 
 
