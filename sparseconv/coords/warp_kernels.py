@@ -49,23 +49,31 @@ def define() -> SimpleNamespace:
         return wp.int64(h) & mask
 
     @wp.func
-    def insert_key(key: wp.int64, row: wp.int32, table_keys: wp.array(dtype=wp.int64),
-                   table_values: wp.array(dtype=wp.int32), base: wp.int64, mask: wp.int64) -> wp.bool:
-        """Insert ``key`` -> ``row`` into the table at ``base`` of the arrays (``mask + 1`` slots);
-        True if the key was there already (a duplicate row)."""
+    def claim_slot(key: wp.int64, table_keys: wp.array(dtype=wp.int64), base: wp.int64, mask: wp.int64) -> wp.int64:
+        """Put ``key`` in the table at ``base`` of the arrays (``mask + 1`` slots): its slot if this call
+        filled it, -2 - its slot if the key was there already, -1 if the table is full."""
         slot = home_slot(key, mask)
         probes = wp.int64(0)
         while probes <= mask:
             previous = wp.atomic_cas(table_keys, base + slot, wp.int64(-1), key)
             if previous == wp.int64(-1):
-                table_values[base + slot] = row
-                return False
+                return slot
             if previous == key:
-                # Exactly one insert of a key finds the slot empty: every other one is a duplicate.
-                return True
+                return wp.int64(-2) - slot
             slot = (slot + wp.int64(1)) & mask
             probes += wp.int64(1)
-        return False
+        return wp.int64(-1)
+
+    @wp.func
+    def insert_key(key: wp.int64, row: wp.int32, table_keys: wp.array(dtype=wp.int64),
+                   table_values: wp.array(dtype=wp.int32), base: wp.int64, mask: wp.int64) -> wp.bool:
+        """Insert ``key`` -> ``row`` into the table at ``base`` of the arrays (``mask + 1`` slots);
+        True if the key was there already (a duplicate row)."""
+        claimed = claim_slot(key, table_keys, base, mask)
+        if claimed >= wp.int64(0):
+            table_values[base + claimed] = row
+        # Exactly one insert of a key finds the slot empty: every other one is a duplicate.
+        return claimed < wp.int64(-1)
 
     @wp.func
     def shifted_key(coords: wp.array2d(dtype=wp.int32), row: wp.int64, offsets: wp.array2d(dtype=wp.int32),
@@ -152,15 +160,10 @@ def define() -> SimpleNamespace:
     @wp.func
     def floor_slot(key: wp.int64, table_keys: wp.array(dtype=wp.int64), base: wp.int64, mask: wp.int64) -> wp.int64:
         """The slot of ``key`` in the table at ``base`` (``mask + 1`` slots), inserted if absent; -1 if full."""
-        slot = home_slot(key, mask)
-        probes = wp.int64(0)
-        while probes <= mask:
-            previous = wp.atomic_cas(table_keys, base + slot, wp.int64(-1), key)
-            if previous == wp.int64(-1) or previous == key:
-                return slot
-            slot = (slot + wp.int64(1)) & mask
-            probes += wp.int64(1)
-        return wp.int64(-1)
+        claimed = claim_slot(key, table_keys, base, mask)
+        if claimed < wp.int64(-1):
+            return wp.int64(-2) - claimed
+        return claimed
 
     @wp.kernel
     def floor_insert(
