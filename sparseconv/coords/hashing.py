@@ -325,8 +325,8 @@ class CoordHashTable:
         # key matched), the keys (all written) and the flags (-1 = clear).
         slots = capacity * 3 // 2
         buffer = torch.full((slots + n + 4,), EMPTY_KEY, dtype=torch.int64, device=coords.device)
-        table = cls(buffer[:capacity], buffer[capacity: slots].view(torch.int32))
-        keys, flags = buffer[slots: slots + n], buffer[slots + n:]
+        table_keys, values, keys, flags = buffer.split_with_sizes((capacity, slots - capacity, n, 4))  # one op
+        table = cls(table_keys, values.view(torch.int32))
         _launch(_kernels().insert_checked, n,
                 [coords.contiguous(), *stride, keys, table.keys, table.values, capacity - 1, flags], coords.device)
         return table, keys, flags
@@ -392,7 +392,8 @@ def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:
     # One allocation, one fill: every level's keys (-1 = empty) and, as int32 behind them, its slots'
     # values, which hold each cell's first row until the compaction writes its rank there.
     buffer = torch.full((levels * capacity * 3 // 2,), EMPTY_KEY, dtype=torch.int64, device=keys.device)
-    table = CoordHashTable(buffer[: levels * capacity], buffer[levels * capacity:].view(torch.int32))
+    table_keys, values = buffer.split_with_sizes((levels * capacity, buffer.shape[0] - levels * capacity))
+    table = CoordHashTable(table_keys, values.view(torch.int32))
     if n == 0:
         empty = torch.empty((0,), dtype=torch.int64, device=keys.device)
         return FloorSets(empty, unpack_keys(empty), [0] * levels, table, capacity)

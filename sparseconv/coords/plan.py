@@ -289,11 +289,11 @@ class Levels(NamedTuple):
 def _add_levels(cache: CoordinateCache, strides: list[Triple]) -> Levels:
     """Register the canonical sets at ``strides`` (floors of the input set), with their tables."""
     sets = floor_sets(cache.keys(0), floor_masks(tuple(strides), cache.device))
-    starts = [0, *itertools.accumulate(sets.counts)]
-    for level, stride in enumerate(strides):
-        rows, slots = slice(starts[level], starts[level + 1]), slice(level * sets.capacity, (level + 1) * sets.capacity)
-        cache.add(sets.coords[rows], stride, canonical=True, keys=sets.keys[rows],
-                  table=CoordHashTable(sets.table.keys[slots], sets.table.values[slots]))
+    # Each array split at once (one torch op each, where a slice a set and array took four a level)
+    parts = zip(strides, sets.coords.split(sets.counts), sets.keys.split(sets.counts),
+                sets.table.keys.split(sets.capacity), sets.table.values.split(sets.capacity))
+    for stride, coords, keys, table_keys, table_values in parts:
+        cache.add(coords, stride, canonical=True, keys=keys, table=CoordHashTable(table_keys, table_values))
     return Levels(sets.coords, sets.table)
 
 
@@ -334,11 +334,16 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
         flat_t = (torch.full((transposed_base,), -1, dtype=torch.int32, device=fine.device)
                   if transposed_base else None)
         query_many(coords, offsets, tables, flat, queries, flat_t)
-        neighbors = [flat[q.out_base: q.out_base + q.rows * q.volume].view(q.rows, q.volume) for q in queries]
-        for index, (q, spec) in enumerate(zip(queries, specs)):
-            if q.transposed_base >= 0:
-                rows_in, start = _rows_in(cache, ids, spec), q.transposed_base
-                transposed[index] = flat_t[start: start + rows_in * q.volume].view(rows_in, q.volume)
+        # Each map's table a part of one split (one torch op, where a slice a map took one more)
+        parts = _split_at(flat, [(q.out_base, q.rows * q.volume) for q in queries])
+        neighbors = [part.view(q.rows, q.volume) for part, q in zip(parts, queries)]
+        asked = [(index, _rows_in(cache, ids, spec)) for index, (q, spec) in enumerate(zip(queries, specs))
+                 if q.transposed_base >= 0]
+        if asked:
+            parts = _split_at(flat_t, [(queries[index].transposed_base, rows_in * queries[index].volume)
+                                       for index, rows_in in asked])
+            for (index, rows_in), part in zip(asked, parts):
+                transposed[index] = part.view(rows_in, queries[index].volume)
     else:
         neighbors = [source.neighbors(out, offsets[q.offset_base: q.offset_base + q.volume])
                      for out, source, q in zip(outs, sources, queries)]
@@ -351,6 +356,16 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
             kernel_map.__dict__["transposed_neighbors"] = table_t
         built[key] = (kernel_map, out_id)
     return built
+
+
+def _split_at(flat: torch.Tensor, parts: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """The (start, length) parts of ``flat``, in increasing order and apart, by one split."""
+    sizes, at = [], 0
+    for start, length in parts:
+        sizes += [start - at, length]
+        at = start + length
+    sizes.append(flat.shape[0] - at)
+    return list(flat.split_with_sizes(sizes)[1::2])
 
 
 def _aligned(entries: int) -> int:
