@@ -383,7 +383,7 @@ def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:
 
     Set ``l`` holds each cell of ``keys & masks[l]`` once, in the order of the cell's first row in
     ``keys`` (the smallest row index, so the order is repeatable: the threads' atomics pick a maximum,
-    not a winner). Each table has as many slots as the input set's own (``_capacity(N)``): the cells are
+    not a winner). Each table has :func:`_floor_capacity` slots of the input's row count: the cells are
     counted only after the inserts."""
     n, levels = keys.shape[0], masks.shape[0]
     if not 0 < levels <= MAX_LEVELS:

@@ -299,8 +299,8 @@ class HostCopy:
                 self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
                 self._event = torch.cuda.Event()
             else:
-                self._host, self._event = self._slot[0][: self._count], self._slot[1]
-            self._host.copy_(tensor.view(-1) if self._slot is not None else tensor, non_blocking=True)
+                self._host, self._event = self._slot[0][: self._count].view(tensor.shape), self._slot[1]
+            self._host.copy_(tensor, non_blocking=True)
             self._event.record(torch.cuda.current_stream(tensor.device))  # on the tensor's device's current stream
         else:
             self._host = tensor

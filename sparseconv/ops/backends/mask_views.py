@@ -336,7 +336,8 @@ def launch_tile_plan(table: torch.Tensor, rows: torch.Tensor, views: tuple, lo: 
     """The ``tile_plan`` launch writing ``views`` (:func:`_plan_views`' (used, offsets, counts, slots))
     for the visiting order ``rows`` of ``table``'s offsets from ``lo``."""
     used, offsets, counts, slots = views
-    args, options = _plan_launch(table, rows, _as_flags(used, *offsets.shape), offsets, counts, slots, rows.numel(),
+    # The kernel writes the flags by pointer: their bytes as bools, whatever the view's shape (one op)
+    args, options = _plan_launch(table, rows, used.view(torch.bool), offsets, counts, slots, rows.numel(),
                                  table.stride(0), lo, offsets.shape[1], block_m)
     launch(tk.kernels().tile_plan, (offsets.shape[0],), *args, **options)
 
