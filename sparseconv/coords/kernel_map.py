@@ -340,7 +340,10 @@ def _take_slot(tensor: torch.Tensor) -> tuple | None:
     index = tensor.get_device()
     free = _SLOTS.get(index)
     while free:
-        slot = free.pop()
+        try:
+            slot = free.pop()
+        except IndexError:  # another thread took the last one
+            break
         if slot[1].query():  # a slot given back unread may still be copying into
             return slot
     return (torch.empty(_SLOT_ENTRIES, dtype=torch.int64, pin_memory=True), torch.cuda.Event(), index)
