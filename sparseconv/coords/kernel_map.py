@@ -287,10 +287,10 @@ class HostCopy:
     layers while the GPU runs the neighbour queries, instead of idling until they finish
     (a training step's tuner keys read the counts; a layer's own build reads them at once)."""
 
-    __slots__ = ("_host", "_event", "_values", "_slot", "_count")
+    __slots__ = ("_host", "_event", "_values", "_slot")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self._event, self._values, self._slot, self._count = None, None, None, tensor.numel()
+        self._event, self._values, self._slot = None, None, None
         if tensor.is_cuda:
             # Pinned memory (a copy from pageable memory would wait for the stream), from a few kept
             # slots with their events: a pinned allocation and a new event cost a batch ~25 µs of host time.
@@ -299,7 +299,7 @@ class HostCopy:
                 self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
                 self._event = torch.cuda.Event()
             else:
-                self._host, self._event = self._slot[0][: self._count].view(tensor.shape), self._slot[1]
+                self._host, self._event = self._slot[0][: tensor.numel()].view(tensor.shape), self._slot[1]
             self._host.copy_(tensor, non_blocking=True)
             self._event.record(torch.cuda.current_stream(tensor.device))  # on the tensor's device's current stream
         else:

@@ -303,7 +303,7 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
     the input set's coordinates or of the coarse sets' (``levels``), their source tables slices of the
     input set's table or of the coarse sets' (one launch for every map, where one per output array,
     source array and kernel volume cost the host ~130 us each: four a MinkUNet batch)."""
-    queries, out_base, offset_base, transposed_base, geometry = [], 0, 0, 0, []
+    queries, out_base, offset_base, transposed_base, geometry, sources_rows = [], 0, 0, 0, [], []
     outs = [cache.coord_set(ids[spec.output_stride]).coords for spec in specs]
     sources = [cache.table(ids[spec.source_stride]) for spec in specs]
     fine = cache.coord_set(0).coords
@@ -317,6 +317,7 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
     one_launch = _one_launch(fine.device) and (len(specs) > 1 or specs[0].stride != (1, 1, 1))
     for spec, out, source, (coarse_rows, coarse_table) in zip(specs, outs, sources, coarse):
         volume, rows_in = math.prod(spec.kernel_size), _rows_in(cache, ids, spec)
+        sources_rows.append(rows_in)
         # A strided map's transposed table (a transposed conv's, its own dgrad's) in the same launch:
         # a submanifold map's is its own with the columns reversed (one op, KernelMap).
         at = transposed_base if one_launch and spec.stride != (1, 1, 1) else -1
@@ -337,7 +338,7 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
         # Each map's table a part of one split (one torch op, where a slice a map took one more)
         parts = _split_at(flat, [(q.out_base, q.rows * q.volume) for q in queries])
         neighbors = [part.view(q.rows, q.volume) for part, q in zip(parts, queries)]
-        asked = [(index, _rows_in(cache, ids, spec)) for index, (q, spec) in enumerate(zip(queries, specs))
+        asked = [(index, rows_in) for index, (q, rows_in) in enumerate(zip(queries, sources_rows))
                  if q.transposed_base >= 0]
         if asked:
             parts = _split_at(flat_t, [(queries[index].transposed_base, rows_in * queries[index].volume)

@@ -183,7 +183,7 @@ class Tuner:
             if choice is None or not _current(choice):
                 if not mode.single:
                     return  # undecided for this key: the layer's call tunes it, with its operands
-                # A named backend's choice is keyed by the exact problem: made here as the call would (no timing).
+                # A named backend's choice (keyed by the layer) not made yet: made here as the call would (no timing).
                 *choice, settled = self._choose(namespace, problem, pin, None, None, kernel_map, settings)
                 if not settled:
                     return
