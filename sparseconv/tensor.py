@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -10,6 +10,7 @@ import torch
 from ._args import Triple, triple
 from .coords.cache import CoordinateCache
 from .coords.hashing import CoordHashTable, range_violation_of, unpack_keys
+from .coords.kernel_map import HostCopy
 
 DUPLICATE_MODES = ("error", "sum", "mean")
 _WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
@@ -23,8 +24,11 @@ class SparseTensor:
     feats: (N, C) float16/bfloat16/float32/float64 on the same device.
     on_duplicate: ``"error"`` (default) rejects repeated coordinates; ``"sum"`` / ``"mean"`` merge
     their features (the merged tensor's rows are then sorted by ``[batch, x, y, z]``).
-    validate: skip the checks (shape, dtype, range, duplicates; they cost a device sync) only
-    for coordinates known to be valid.
+    validate: skip the checks (shape, dtype, range, duplicates) only for coordinates known to be
+    valid. On a GPU with ``on_duplicate="error"`` the range, grid and duplicate checks run on the
+    device with the hash table's build and the host reads them where it next waits for the GPU,
+    at the latest at the coordinates' first use (a kernel map, ``batch_size``, ``dense``, ``to``):
+    bad coordinates raise there, not here (:meth:`check` reads them at once).
     """
 
     def __init__(
@@ -46,7 +50,9 @@ class SparseTensor:
         self.cache = CoordinateCache(coords.device)
         self.coord_id = self.cache.add(coords.to(torch.int32).contiguous(), stride, canonical=True, keys=keys,
                                        table=table)
-        if batch_size is not None:
+        if callable(batch_size):  # the checks launched, read at the coordinates' first use
+            self.cache.defer_checks(batch_size)
+        elif batch_size is not None:
             self.cache.set_batch_size(batch_size)
 
     @classmethod
@@ -81,6 +87,12 @@ class SparseTensor:
 
     def __len__(self) -> int:
         return self.feats.shape[0]
+
+    def check(self) -> SparseTensor:
+        """Read the checks of the coordinates now (raising ``ValueError`` for bad ones) and return self;
+        on a GPU they are otherwise read at the coordinates' first use (see the class)."""
+        self.cache.settle()
+        return self
 
     @property
     def batch_size(self) -> int:
@@ -119,6 +131,7 @@ class SparseTensor:
         origin: the (x, y, z) voxel that maps to cell 0 (default 0; a multiple of the stride).
         shape: the spatial size (X, Y, Z); default just covers every coordinate.
         """
+        self.cache.settle()
         stride = torch.tensor(self.stride, device=self.device, dtype=torch.int64)
         origin_t = torch.tensor(
             (0, 0, 0) if origin is None else _int3(origin, "origin"), device=self.device, dtype=torch.int64
@@ -177,6 +190,38 @@ def _as_tensor(value: torch.Tensor | np.ndarray, name: str) -> torch.Tensor:
     return value
 
 
+def _read_checks(flags: list[int], coords: torch.Tensor, keys: torch.Tensor, stride: Triple,
+                 reject_duplicates: bool) -> int | None:
+    """What :meth:`CoordHashTable.build_checked`'s flags say: raise for coordinates out of range or off
+    the stride's grid (and repeated ones if ``reject_duplicates``); the batch size, or None where rows
+    repeat (to be merged)."""
+    *checks, batch_max = flags
+    out_of_range, off_grid, has_duplicates = (flag > 0 for flag in checks)
+    if out_of_range:
+        wide = coords.long()
+        lo, hi = wide.amin(0).tolist(), wide.amax(0).tolist()
+        if lo[0] < 0:
+            raise ValueError(f"coords: batch indices (column 0) must be >= 0, got {lo[0]}")
+        raise ValueError(f"coords out of the supported range: {range_violation_of(lo, hi)}")
+    if off_grid:
+        off = (coords[:, 1:] % torch.tensor(stride, device=coords.device) != 0).any(dim=1)
+        row = int(off.nonzero()[0, 0])
+        raise ValueError(
+            f"coords of a tensor at stride {stride} must be multiples of it along x, y, z; "
+            f"row {row} is {coords[row].tolist()}"
+        )
+    if not has_duplicates:
+        return batch_max + 1
+    if reject_duplicates:
+        unique, counts = torch.unique(keys, return_counts=True)
+        repeated_row = unpack_keys(unique[counts > 1][:1])[0].tolist()
+        raise ValueError(
+            f"coords has {keys.shape[0] - unique.shape[0]} duplicate rows (e.g. {repeated_row}); merge them "
+            "with on_duplicate='sum' or 'mean'"
+        )
+    return None
+
+
 def _int3(value: Sequence[int], name: str) -> tuple[int, int, int]:
     value = tuple(int(v) for v in value)
     if len(value) != 3:
@@ -186,9 +231,10 @@ def _int3(value: Sequence[int], name: str) -> tuple[int, int, int]:
 
 def _validated(
     coords: torch.Tensor, feats: torch.Tensor, stride: Triple, on_duplicate: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CoordHashTable | None, int | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CoordHashTable | None, int | Callable[[], int] | None]:
     """(coords int32, feats, their packed keys, their hash table, the batch size), duplicates merged
-    as ``on_duplicate`` says (keys, table and batch size None where not known here)."""
+    as ``on_duplicate`` says (keys, table and batch size None where not known here). On a GPU, rejecting
+    duplicates, the checks are read later: the batch size is then what reads them (and raises)."""
     if coords.dim() != 2 or coords.shape[1] != 4:
         raise ValueError(f"coords must have shape (N, 4) as [batch, x, y, z], got {tuple(coords.shape)}")
     if coords.is_floating_point() or coords.is_complex() or coords.dtype == torch.bool:
@@ -223,33 +269,20 @@ def _validated(
     else:
         narrow = coords
     # The range, grid and duplicate checks and the set's hash table in one kernel, read in one
-    # transfer: one host sync for a new batch, and no sort.
+    # transfer, and no sort.
     table, keys, flags = CoordHashTable.build_checked(narrow, stride)
-    *checks, batch_max = flags.tolist()
-    out_of_range, off_grid, has_duplicates = (flag > 0 for flag in checks)
-    if out_of_range:
-        wide = coords.long()
-        lo, hi = wide.amin(0).tolist(), wide.amax(0).tolist()
-        if lo[0] < 0:
-            raise ValueError(f"coords: batch indices (column 0) must be >= 0, got {lo[0]}")
-        raise ValueError(f"coords out of the supported range: {range_violation_of(lo, hi)}")
-    if off_grid:
-        off = (coords[:, 1:] % torch.tensor(stride, device=coords.device) != 0).any(dim=1)
-        row = int(off.nonzero()[0, 0])
-        raise ValueError(
-            f"coords of a tensor at stride {stride} must be multiples of it along x, y, z; "
-            f"row {row} is {coords[row].tolist()}"
-        )
-    if not has_duplicates:
-        return narrow, feats, keys, table, batch_max + 1
+    if narrow.is_cuda and on_duplicate == "error":
+        # Nothing here depends on what they find: the host reads them where it next waits for the GPU
+        # anyway, at the latest when the tensor's coordinates are first used (CoordinateCache.settle),
+        # instead of waiting here for all the work queued before them.
+        flags_copy = HostCopy(flags)
+        return narrow, feats, keys, table, lambda: _read_checks(flags_copy.values(), coords, keys, stride, True)
+    values = flags.tolist()
+    batch_size = _read_checks(values, coords, keys, stride, on_duplicate == "error")
+    if batch_size is not None:
+        return narrow, feats, keys, table, batch_size
     unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-    if on_duplicate == "error":
-        repeated_row = unpack_keys(unique[counts > 1][:1])[0].tolist()
-        raise ValueError(
-            f"coords has {keys.shape[0] - unique.shape[0]} duplicate rows (e.g. {repeated_row}); merge them "
-            "with on_duplicate='sum' or 'mean'"
-        )
     merged = feats.new_zeros((unique.shape[0], feats.shape[1])).index_add(0, inverse, feats)
     if on_duplicate == "mean":
         merged = merged / counts.to(merged.dtype)[:, None]
-    return unpack_keys(unique), merged, unique, None, batch_max + 1
+    return unpack_keys(unique), merged, unique, None, values[3] + 1

@@ -71,13 +71,45 @@ def test_duplicates_are_detected_or_merged(device):
     coords = torch.tensor([[0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]], device=device)
     feats = torch.randn(5, 2, device=device)
     with pytest.raises(ValueError, match=r"2 duplicate rows \(e.g. \[0, 1, 1, 1\]\).*on_duplicate"):
-        SparseTensor(coords, feats)
+        SparseTensor(coords, feats).check()  # (on a GPU the checks are read at check() or a first use)
     summed = SparseTensor(coords, feats, on_duplicate="sum")
     mean = SparseTensor(coords, feats, on_duplicate="mean")
     assert summed.coords.tolist() == [[0, 1, 1, 1], [0, 2, 2, 2], [1, 1, 1, 1]]
     torch.testing.assert_close(summed.feats[0], feats[[0, 2, 4]].sum(0))
     torch.testing.assert_close(mean.feats[0], feats[[0, 2, 4]].mean(0))
     torch.testing.assert_close(mean.feats[1:], feats[[1, 3]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", ["duplicate", "out of range", "off the grid"])
+def test_gpu_checks_are_read_at_the_first_use_and_fail_every_use(bad):
+    # A new GPU tensor launches its checks without waiting for them (no host sync: torch's sync debug
+    # mode raises on one); bad coordinates raise at the first use of the coordinates, and again at the
+    # next, never returning a map or a result built from them.
+    coords = random_coords(200, 12, batch_size=2, device="cuda")
+    coords[:, 1:] *= 2
+    clean = coords.clone()
+    expected = {"duplicate": "duplicate rows", "out of range": "supported range", "off the grid": "multiples of it"}
+    if bad == "duplicate":
+        coords[7] = coords[3]
+    elif bad == "out of range":
+        coords[5, 2] = 1 << 20
+    else:
+        coords[9, 3] += 1
+    feats = torch.randn(len(coords), 3, device="cuda")
+    conv = SparseConv3d(3, 4, 3).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x = SparseTensor(coords, feats, stride=2)
+        good = SparseTensor(clean, feats, stride=2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for use in (lambda: conv(x), lambda: conv(x), lambda: x.batch_size, x.dense, lambda: x.cpu(), x.check):
+        with pytest.raises(ValueError, match=expected[bad]):
+            use()
+    assert good.check() is good and good.batch_size == int(clean[:, 0].max()) + 1
+    assert conv(good).feats.shape == (len(clean), 4)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ class CoordinateCache:
         self._planned: dict[KernelMapKey, tuple[KernelMap, int]] = {}  # built ahead, not asked for yet
         self._dropped: set[int] = set()  # sets whose hash tables went once the plan's maps were built
         self._moved: weakref.WeakValueDictionary[str, CoordinateCache] = weakref.WeakValueDictionary()
+        self._checks: Callable[[], int] | None = None
 
     def add(self, coords: torch.Tensor, stride: Triple, canonical: bool, keys: torch.Tensor | None = None,
             table: CoordHashTable | None = None) -> int:
@@ -59,9 +61,27 @@ class CoordinateCache:
             self._tables[set_id] = table
         return set_id
 
+    def defer_checks(self, checks: Callable[[], int]) -> None:
+        """The input set's checks, launched and not read yet: ``checks()`` reads them, raises if they
+        failed and returns the batch size (:meth:`settle` calls it)."""
+        self._checks = checks
+
+    def settle(self) -> None:
+        """Read the input set's deferred checks (once they pass; bad coordinates raise on every use):
+        called where the coordinates are first used, after a new map's launches, so that the host
+        waits for nothing the GPU has not done already."""
+        checks = self._checks
+        if checks is not None:
+            batch_size = checks()
+            self._checks = None
+            self.set_batch_size(batch_size)
+
     @functools.cached_property
     def batch_size(self) -> int:
         """1 + the largest batch index (0 when empty); every set of a cache has the same batches."""
+        self.settle()  # the checks read it
+        if "batch_size" in self.__dict__:
+            return self.__dict__["batch_size"]
         # Strided, transposed and generated sets all keep their source's batch indices, so one
         # host sync per batch serves every layer (per-sample norms and pooling need it).
         coords = self._sets[0].coords if self._sets else None
@@ -111,6 +131,7 @@ class CoordinateCache:
         hit = self._planned.pop(key, None)
         if hit is None:
             hit = self._build(key)
+        self.settle()  # a map of bad coordinates is never returned
         self._record.note(self, key, hit[0])
         return hit
 
@@ -149,6 +170,7 @@ class CoordinateCache:
         device = torch.device(device)
         if device == self.device:
             return self
+        self.settle()
         moved = self._moved.get(str(device))
         if moved is None:
             moved = CoordinateCache(device)
@@ -226,6 +248,7 @@ class CoordinateCache:
             # table as the map plan makes them, :func:`floor_sets`).
             coarse = floor_sets(self.keys(key.source), floor_masks((out_stride,), self.device))
             return self.add(coarse.coords, out_stride, canonical=source.canonical, keys=coarse.keys, table=coarse.table)
+        self.settle()  # the host reads the coordinates here: the input's own checks first
         step = _on_device((1, *out_stride), self.device)
         coarse = torch.div(source.coords, step, rounding_mode="floor") * step
         problem = range_violation(coarse)
@@ -235,6 +258,7 @@ class CoordinateCache:
 
     def _generate(self, key: KernelMapKey, source: CoordSet, out_stride: Triple) -> int:
         """Every output-grid position with at least one input in its receptive field."""
+        self.settle()  # the host reads the coordinates here: the input's own checks first
         unit = out_stride if key.transposed else source.stride
         step = tuple(d * u for d, u in zip(key.dilation, unit))
         shift = _offsets(key.kernel_size, step, 1 if key.transposed else -1, self.device)
