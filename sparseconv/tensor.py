@@ -231,7 +231,8 @@ def _int3(value: Sequence[int], name: str) -> tuple[int, int, int]:
 
 def _validated(
     coords: torch.Tensor, feats: torch.Tensor, stride: Triple, on_duplicate: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CoordHashTable | None, int | Callable[[], int] | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CoordHashTable | None,
+           int | Callable[[], int] | None]:
     """(coords int32, feats, their packed keys, their hash table, the batch size), duplicates merged
     as ``on_duplicate`` says (keys, table and batch size None where not known here). On a GPU, rejecting
     duplicates, the checks are read later: the batch size is then what reads them (and raises)."""

@@ -120,10 +120,12 @@ def test_a_planned_batch_builds_its_sets_and_tables_at_once_reading_the_host_onc
     launch = hashing._launch
     monkeypatch.setattr(hashing, "_launch", lambda kernel, *args: launches.append(kernel.key) or launch(kernel, *args))
     tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or tolist(self))
+    monkeypatch.setattr(torch.Tensor, "tolist",
+                        lambda self: self.device.type == device and reads.append(self.shape) or tolist(self))
     x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
-    # Three coarse sets and their tables in one insert launch; no per-set insert; one read, for their
-    # sizes: the pair counts are copied without waiting, and read where first needed.
+    # Three coarse sets and their tables in one insert launch; no per-set insert; one read of the device,
+    # for their sizes: the pair counts (and a GPU input's checks) are copied without waiting, and read
+    # where first needed (from pinned host memory).
     names = [key.rsplit("__", 1)[-1] for key in launches]
     assert names.count("floor_insert") == 1 and "insert" not in names
     assert len(reads) == 1
