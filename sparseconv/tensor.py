@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -43,17 +43,13 @@ class SparseTensor:
         coords = _as_tensor(coords, "coords")
         feats = _as_tensor(feats, "feats")
         stride = triple(stride, "stride")
-        keys = table = batch_size = None
+        keys = table = None
+        cache = CoordinateCache(coords.device)
         if validate:
-            coords, feats, keys, table, batch_size = _validated(coords, feats, stride, on_duplicate)
+            coords, feats, keys, table = _validated(coords, feats, stride, on_duplicate, cache)
         self.feats = feats
-        self.cache = CoordinateCache(coords.device)
-        self.coord_id = self.cache.add(coords.to(torch.int32).contiguous(), stride, canonical=True, keys=keys,
-                                       table=table)
-        if callable(batch_size):  # the checks launched, read at the coordinates' first use
-            self.cache.defer_checks(batch_size)
-        elif batch_size is not None:
-            self.cache.set_batch_size(batch_size)
+        self.cache = cache
+        self.coord_id = cache.add(coords.to(torch.int32).contiguous(), stride, canonical=True, keys=keys, table=table)
 
     @classmethod
     def _derived(cls, feats: torch.Tensor, cache: CoordinateCache, coord_id: int) -> SparseTensor:
@@ -230,12 +226,11 @@ def _int3(value: Sequence[int], name: str) -> tuple[int, int, int]:
 
 
 def _validated(
-    coords: torch.Tensor, feats: torch.Tensor, stride: Triple, on_duplicate: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CoordHashTable | None,
-           int | Callable[[], int] | None]:
-    """(coords int32, feats, their packed keys, their hash table, the batch size), duplicates merged
-    as ``on_duplicate`` says (keys, table and batch size None where not known here). On a GPU, rejecting
-    duplicates, the checks are read later: the batch size is then what reads them (and raises)."""
+    coords: torch.Tensor, feats: torch.Tensor, stride: Triple, on_duplicate: str, cache: CoordinateCache
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CoordHashTable | None]:
+    """(coords int32, feats, their packed keys, their hash table), duplicates merged as ``on_duplicate``
+    says (keys and table None where not made here); the batch size the checks read goes to ``cache``, or,
+    on a GPU rejecting duplicates, the checks themselves, read later (:meth:`CoordinateCache.settle`)."""
     if coords.dim() != 2 or coords.shape[1] != 4:
         raise ValueError(f"coords must have shape (N, 4) as [batch, x, y, z], got {tuple(coords.shape)}")
     if coords.is_floating_point() or coords.is_complex() or coords.dtype == torch.bool:
@@ -262,7 +257,7 @@ def _validated(
     if on_duplicate not in DUPLICATE_MODES:
         raise ValueError(f"on_duplicate must be one of {DUPLICATE_MODES}, got {on_duplicate!r}")
     if coords.shape[0] == 0:
-        return coords.to(torch.int32), feats, None, None, None
+        return coords.to(torch.int32), feats, None, None
     if coords.dtype != torch.int32:
         # Saturating, so that a value beyond int32 stays out of the packable range (the kernel flags it).
         info = torch.iinfo(torch.int32)
@@ -277,13 +272,14 @@ def _validated(
         # anyway, at the latest when the tensor's coordinates are first used (CoordinateCache.settle),
         # instead of waiting here for all the work queued before them.
         flags_copy = HostCopy(flags)
-        return narrow, feats, keys, table, lambda: _read_checks(flags_copy.values(), coords, keys, stride, True)
+        cache.defer_checks(lambda: _read_checks(flags_copy.values(), coords, keys, stride, True))
+        return narrow, feats, keys, table
     values = flags.tolist()
-    batch_size = _read_checks(values, coords, keys, stride, on_duplicate == "error")
-    if batch_size is not None:
-        return narrow, feats, keys, table, batch_size
+    cache.set_batch_size(values[3] + 1)
+    if _read_checks(values, coords, keys, stride, on_duplicate == "error") is not None:
+        return narrow, feats, keys, table
     unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
     merged = feats.new_zeros((unique.shape[0], feats.shape[1])).index_add(0, inverse, feats)
     if on_duplicate == "mean":
         merged = merged / counts.to(merged.dtype)[:, None]
-    return unpack_keys(unique), merged, unique, None, values[3] + 1
+    return unpack_keys(unique), merged, unique, None
