@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from .kernel_map import current_stream
+
 # Bit budget of a packed key: 12 batch bits + 3 x 17 coordinate bits = 63 bits, so every valid
 # key is a non-negative int64 and -1 can mark an empty slot.
 BATCH_BITS = 12
@@ -255,7 +257,7 @@ def _descriptor_type():
 
 
 # wp.stream_from_torch builds a new wp.Stream on every call: the wrapper is kept per torch stream.
-_STREAMS: dict[tuple[int, int], object] = {}
+_STREAMS: dict[int, tuple[torch.cuda.Stream, object]] = {}
 
 
 @functools.lru_cache(maxsize=64)
@@ -265,15 +267,13 @@ def _warp_device(device: torch.device):
 
 def _warp_stream(device: torch.device):
     """The Warp stream wrapping torch's current stream on ``device`` (made once per stream)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~20x cheaper than torch.cuda.current_stream
-    key = (index, raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream)
-    stream = _STREAMS.get(key)
-    if stream is None:
+    torch_stream = current_stream(device.index if device.index is not None else torch.cuda.current_device())
+    kept = _STREAMS.get(id(torch_stream))  # by identity: current_stream keeps one object per stream
+    if kept is None or kept[0] is not torch_stream:
         if len(_STREAMS) > 256:  # streams made and dropped in a loop: do not hold them all
             _STREAMS.clear()
-        stream = _STREAMS[key] = _kernels().wp.stream_from_torch(torch.cuda.current_stream(index))
-    return stream
+        kept = _STREAMS[id(torch_stream)] = (torch_stream, _kernels().wp.stream_from_torch(torch_stream))
+    return kept[1]
 
 
 def _capacity(rows: int) -> int:
