@@ -13,7 +13,7 @@ import itertools
 import math
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -149,14 +149,14 @@ class _Replay:
     Warp's own packing gives for the recording's arguments (:meth:`of`); else the command's own
     setters run."""
 
-    __slots__ = ("command", "views", "kernel_dim")
+    __slots__ = ("command", "packers", "kernel_dim")
 
-    def __init__(self, command, views, kernel_dim: int | None) -> None:
-        self.command, self.views, self.kernel_dim = command, views, kernel_dim
+    def __init__(self, command, packers, kernel_dim: int | None) -> None:
+        self.command, self.packers, self.kernel_dim = command, packers, kernel_dim
 
     @classmethod
     def of(cls, command, inputs, dim) -> _Replay:
-        views, kernel_dim = [], None
+        packers, kernel_dim = [], None
         try:
             params = command.params
             bounds = params[0]
@@ -166,9 +166,9 @@ class _Replay:
                     view = memoryview(param).cast("B")
                     if len(view) < _ARRAY.size or bytes(view) != bytes(_packed(value, len(view))):
                         raise TypeError("another array layout")
-                    views.append(view)
+                    packers.append(_packer(view, value.dim(), value.element_size()))
                 elif isinstance(value, int) and not isinstance(value, bool) and getattr(param, "value", None) == value:
-                    views.append(None)
+                    packers.append(None)
                 else:
                     raise TypeError("another scalar")
             extents = (dim,) if isinstance(dim, int) else tuple(dim)
@@ -176,12 +176,12 @@ class _Replay:
                     and bounds.size == math.prod(extents) and bounds.coord_mult == 1):
                 kernel_dim = len(extents)
         except (TypeError, AttributeError, ValueError):
-            views = None
-        return cls(command, views, kernel_dim)
+            packers = None
+        return cls(command, packers, kernel_dim)
 
     def __call__(self, dim, inputs, stream) -> None:
-        command, views = self.command, self.views
-        if views is None:  # Warp's own setters
+        command, packers = self.command, self.packers
+        if packers is None:  # Warp's own setters
             command.set_dim(dim)
             for index, value in enumerate(inputs):
                 command.set_param_at_index_from_ctype(index, _descriptor(value) if isinstance(value, torch.Tensor)
@@ -198,11 +198,11 @@ class _Replay:
             command.set_dim(dim)
         params = command.params
         for index, value in enumerate(inputs):
-            view = views[index]
-            if view is None:
+            pack = packers[index]
+            if pack is None:
                 params[index + 1].value = value
             else:
-                _pack_into(view, value)
+                pack(value)
         command.launch(stream)
 
 
@@ -210,6 +210,26 @@ _TID_LIMIT = 1 << 31
 _ARRAY = struct.Struct("<QQ4i4iHH")
 """Warp's ``array_t`` (data, grad, shape[4], strides[4] in bytes, ndim, flags), checked against Warp's
 own packing of each recorded launch's arrays (:meth:`_Replay.of`)."""
+
+
+def _packer(view: memoryview, ndim: int, element_size: int) -> Callable[[torch.Tensor], None]:
+    """What writes a launch parameter's array descriptor into ``view`` for a tensor of ``ndim`` dimensions
+    and ``element_size`` bytes (a kernel's parameter has one dtype and rank): its data pointer, shape and
+    strides alone, over a recording that :meth:`_Replay.of` checked (no gradient, the rank, no flags, zero
+    padding), and for one or two dimensions without the general path's tuples (~2 µs a tensor of ~5)."""
+    fields = struct.Struct(f"<Q8x{ndim}i{4 * (4 - ndim)}x{ndim}i")
+    if ndim == 1:
+        def pack(tensor: torch.Tensor) -> None:
+            fields.pack_into(view, 0, tensor.data_ptr(), tensor.shape[0], tensor.stride(0) * element_size)
+    elif ndim == 2:
+        def pack(tensor: torch.Tensor) -> None:
+            rows, cols = tensor.shape
+            row, col = tensor.stride()
+            fields.pack_into(view, 0, tensor.data_ptr(), rows, cols, row * element_size, col * element_size)
+    else:
+        def pack(tensor: torch.Tensor) -> None:
+            fields.pack_into(view, 0, tensor.data_ptr(), *tensor.shape, *[s * element_size for s in tensor.stride()])
+    return pack
 
 
 def _pack_into(view: memoryview, tensor: torch.Tensor) -> None:
@@ -398,17 +418,22 @@ def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:
         empty = torch.empty((0,), dtype=torch.int64, device=keys.device)
         return FloorSets(empty, unpack_keys(empty), [0] * levels, table, capacity)
     kernels, device = _kernels(), keys.device
-    marks = torch.empty((levels, n), dtype=torch.int32, device=device)
+    marks = torch.empty((levels * n,), dtype=torch.int32, device=device)  # level after level, as the kernels index
     _launch(kernels.floor_insert, (levels, n), [keys, masks, table.keys, table.values, capacity - 1], device)
-    _launch(kernels.floor_firsts, (levels, n), [keys, masks, table.keys, table.values, capacity - 1, marks.view(-1)],
-            device)
-    ranks = marks.cumsum_(1)  # in place: each cell's rank, one array (street4's 4 levels: 6 MB)
-    counts = ranks[:, -1].tolist()  # the one host read: every set's size
+    _launch(kernels.floor_firsts, (levels, n), [keys, masks, table.keys, table.values, capacity - 1, marks], device)
+    # In place, level by level: each cell's rank, one array (street4's 4 levels: 6 MB). A lone strided
+    # conv's one level needs no view (each torch op ~5-10 µs of host time on a new batch).
+    if levels == 1:
+        marks.cumsum_(0)
+    else:
+        marks.view(levels, n).cumsum_(1)
+    counts = marks[n - 1:: n].tolist()  # the one host read: every set's size
     total = sum(counts)
-    out = torch.empty((3 * total,), dtype=torch.int64, device=device)  # the keys, then the coords as int32
-    unique, coords = out[:total], out[total:].view(torch.int32).view(total, 4)
+    # Two allocations where one buffer cut into the keys and the coords took four views
+    unique = torch.empty((total,), dtype=torch.int64, device=device)
+    coords = torch.empty((total, 4), dtype=torch.int32, device=device)
     _launch(kernels.floor_compact, (levels, n),
-            [keys, masks, table.keys, capacity - 1, ranks.view(-1), unique, coords, table.values], device)
+            [keys, masks, table.keys, capacity - 1, marks, unique, coords, table.values], device)
     return FloorSets(unique, coords, counts, table, capacity)
 
 

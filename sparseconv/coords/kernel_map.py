@@ -14,6 +14,7 @@ coordinates, which is what the tests check.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import weakref
 from collections.abc import Callable, Hashable
@@ -133,7 +134,7 @@ class KernelMap:
         """(K,) int64 pairs per offset, on the map's device (no host sync)."""
         if self.transpose_of is not None:
             return self.transpose_of.offset_counts
-        return (self.neighbors >= 0).sum(0)
+        return count_pairs([self])[0]
 
     @functools.cached_property
     def pair_counts(self) -> list[int]:
@@ -433,6 +434,31 @@ def set_pair_builder(builder: Callable[[KernelMap], tuple[torch.Tensor, torch.Te
     kernels' builder here (coords imports no backend)."""
     global _pair_builder
     _pair_builder = builder
+
+
+PairCounter = Callable[[list[KernelMap]], tuple[torch.Tensor, list[int]] | None]
+"""counter(maps): every map's pairs per offset in one int64 tensor on their device and where each
+map's start in it; None where it cannot (the torch ops then do: two a map and a concatenation)."""
+
+_pair_counter: PairCounter | None = None
+
+
+def set_pair_counter(counter: PairCounter | None) -> None:
+    """Have ``counter`` count maps' pairs per offset (the backends register their kernel's: one launch
+    for a plan's maps, or a lone map's, where torch's comparison and sum took ~60 µs of host time)."""
+    global _pair_counter
+    _pair_counter = counter
+
+
+def count_pairs(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]]:
+    """(K_1 + ... ,) int64 pairs per offset of every map of ``maps`` (maps with their own tables), on
+    their device and without a host sync, and where each map's counts start in it."""
+    counted = None if _pair_counter is None else _pair_counter(maps)
+    if counted is None:
+        counts = [(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]
+        counted = (counts[0] if len(counts) == 1 else torch.cat(counts),
+                   list(itertools.accumulate((m.kernel_volume for m in maps[:-1]), initial=0)))
+    return counted
 
 
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import logging
 import math
 import threading
@@ -29,7 +28,7 @@ import torch
 
 from .. import config
 from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_masks, floor_sets, floors_by_mask, query_many
-from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple, offset_deltas
+from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple, count_pairs, offset_deltas
 
 if TYPE_CHECKING:
     from .cache import CoordinateCache
@@ -185,12 +184,6 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
     with _lock:
         earlier = list(_history.get(signature, ()))
     plan = list(dict.fromkeys(spec for record in earlier for spec in record.specs))
-    views: dict[tuple[MapSpec, bool], dict[Hashable, None]] = {}  # by (map, its adjoint?)
-    for earlier_record in earlier:
-        for adjoint, by_spec in ((False, earlier_record.views), (True, earlier_record.adjoint_views)):
-            for spec, keys in by_spec.items():
-                views.setdefault((spec, adjoint), {}).update(keys)
-    calls = next((r.calls for r in reversed(earlier) if r.calls), {})  # the latest batch's, unmerged (read only)
     record = Record(signature)
     with _lock:
         for earlier_record in earlier:  # oldest first
@@ -205,6 +198,12 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
     # whose planned query also makes the transposed table; H200, street1 to street4).
     if not (len(plan) > 1 and fresh and config.plan_maps()) or signature in _failed:
         return record, {}
+    views: dict[tuple[MapSpec, bool], dict[Hashable, None]] = {}  # by (map, its adjoint?)
+    for earlier_record in earlier:
+        for adjoint, by_spec in ((False, earlier_record.views), (True, earlier_record.adjoint_views)):
+            for spec, keys in by_spec.items():
+                views.setdefault((spec, adjoint), {}).update(keys)
+    calls = next((r.calls for r in reversed(earlier) if r.calls), {})  # the latest batch's, unmerged (read only)
     try:
         return record, prebuild(cache, plan, views, calls)
     except Exception as error:  # noqa: BLE001 - a plan must never cost a batch its maps
@@ -399,29 +398,11 @@ def _count_pairs(maps: list[KernelMap]) -> None:
     host sync each in a training step's backward, with the GPU busy."""
     if not maps:
         return
-    counted = None if _pair_counter is None else _pair_counter(maps)
-    if counted is None:
-        counts = [(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]
-        counted = (counts[0] if len(counts) == 1 else torch.cat(counts),
-                   list(itertools.accumulate((m.kernel_volume for m in maps[:-1]), initial=0)))
-    together, starts = counted
+    together, starts = count_pairs(maps)
     copy = HostCopy(together)  # read where a tuner key or a wgrad first needs them, not here
     for kernel_map, start in zip(maps, starts):
         kernel_map.__dict__["offset_counts"] = together[start: start + kernel_map.kernel_volume]
         kernel_map.counts_copied(copy, start)
-
-
-PairCounter = Callable[[list[KernelMap]], tuple[torch.Tensor, list[int]] | None]
-"""counter(maps): every map's pairs per offset in one int64 tensor on their device and where each
-map's start in it; None where it cannot (the torch ops then do: two a map and a concatenation)."""
-
-_pair_counter: PairCounter | None = None
-
-
-def set_pair_counter(counter: PairCounter | None) -> None:
-    """Have ``counter`` count the planned maps' pairs (the backends register their kernel's)."""
-    global _pair_counter
-    _pair_counter = counter
 
 
 def _start_in(part: torch.Tensor, whole: torch.Tensor) -> int:

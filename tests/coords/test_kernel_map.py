@@ -174,7 +174,7 @@ def test_replayed_warp_launches_find_what_warps_own_setters_find(device, monkeyp
     monkeypatch.setattr(hashing._RECORDED, "commands", {}, raising=False)  # this thread's, recorded anew
     lookups(10, 3)
     replays = list(hashing._RECORDED.commands.values())
-    assert len(replays) == 2 and all(r.views is not None and r.kernel_dim for r in replays), "in place with this Warp"
+    assert len(replays) == 2 and all(r.packers is not None and r.kernel_dim for r in replays), "in place with this Warp"
     torch.manual_seed(1)
     fast = [lookups(n, probes).cpu() for n, probes in sizes]
     # Recorded again, replayed through Warp's set_dim / set_param_at_index_from_ctype
@@ -185,6 +185,22 @@ def test_replayed_warp_launches_find_what_warps_own_setters_find(device, monkeyp
     for got, want in zip(fast, slow):
         assert torch.equal(got, want)
         assert torch.equal(got[:, 0], torch.arange(len(got), dtype=torch.int32))
+
+
+def test_a_replays_packer_writes_the_descriptor_warps_packing_writes():
+    # A replay rewrites only a descriptor's pointer, shape and strides over the recording's bytes: for
+    # tensors of the recording's rank and dtype (contiguous, sliced, transposed), the bytes must be the
+    # whole packing's (a descriptor of the same length, recorded from another tensor).
+    from sparseconv.coords import hashing
+
+    base = torch.arange(4 * 6 * 5, dtype=torch.int64)
+    for recorded, later in [(base[:7], base[3:50:2]), (base.view(24, 5)[:, 1:], base.view(24, 5).t()),
+                            (base.view(4, 6, 5), base.view(4, 6, 5)[1:, ::2, 1:]),
+                            (base.view(torch.int32).view(40, 6), base.view(torch.int32).view(40, 6)[5:9])]:
+        length = hashing._ARRAY.size + 4  # a parameter structure may be longer than the descriptor
+        buffer = hashing._packed(recorded, length)
+        hashing._packer(memoryview(buffer), later.dim(), later.element_size())(later)
+        assert bytes(buffer) == bytes(hashing._packed(later, length)), (later.shape, later.stride())
 
 
 @pytest.mark.parametrize("device", DEVICES)

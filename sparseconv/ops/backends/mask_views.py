@@ -336,8 +336,8 @@ def launch_tile_plan(table: torch.Tensor, rows: torch.Tensor, views: tuple, lo: 
     """The ``tile_plan`` launch writing ``views`` (:func:`_plan_views`' (used, offsets, counts, slots))
     for the visiting order ``rows`` of ``table``'s offsets from ``lo``."""
     used, offsets, counts, slots = views
-    # The kernel writes the flags by pointer: their bytes as bools, whatever the view's shape (one op)
-    args, options = _plan_launch(table, rows, used.view(torch.bool), offsets, counts, slots, rows.numel(),
+    # The kernel writes the flags' bytes through the int32 part that holds them (a bool view: one op more)
+    args, options = _plan_launch(table, rows, used, offsets, counts, slots, rows.numel(),
                                  table.stride(0), lo, offsets.shape[1], block_m)
     launch(tk.kernels().tile_plan, (offsets.shape[0],), *args, **options)
 
@@ -377,7 +377,7 @@ def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequenc
     warm(kernels.pair_counts, device, i32, i64, 2, volume, BLOCK=_pair_block(volume), WIDTH=_width(volume))
     for lo, hi in groups:
         width = hi - lo  # the row order below: int64 sort indices
-        args, options = _plan_launch(i32, i64, torch.bool, i32, i32, i32, num_rows, volume, lo, width, block_m)
+        args, options = _plan_launch(i32, i64, i32, i32, i32, i32, num_rows, volume, lo, width, block_m)
         warm(kernels.tile_plan, device, *args, **options)
         # the same plans built by the map plan, with others of this tile height (the widest sets WIDTH)
         warm(kernels.tile_plans, device, i64, 2, BLOCK_M=block_m, WIDTH=_width(width))

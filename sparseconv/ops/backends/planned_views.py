@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from ...coords import plan
-from ...coords.kernel_map import KernelMap
+from ...coords.kernel_map import KernelMap, set_pair_counter
 from . import triton_kernels as tk
 from .mask_views import (
     MASK_ROWS, PLAN_VIEW, PLANNED_SHIFT, ROWS_VIEW, _pair_block, _plan_layout, _plan_views, _rows_key, _width, fused,
@@ -185,7 +185,7 @@ class _PlanBuffer:
 
 
 def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
-    """The map plan's pair counts (:func:`sparseconv.coords.plan.set_pair_counter`): every map's
+    """The map plan's pair counts (:func:`sparseconv.coords.kernel_map.set_pair_counter`): every map's
     pairs per offset in one launch on a GPU (tables by address; one map's by its arguments), where
     torch took two ops a map and a concatenation (~27 a street1 pass; one map's sum alone ~60 µs of
     host time, H200), and each map's start in them (16-byte aligned: the
@@ -216,9 +216,9 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
 
 
 def _pair_counts_on_gpu(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
-    """The plan's pair counter: :func:`pair_counts` on a GPU (on the CPU the interpreter would run
-    a program at a time; the tests call it directly)."""
+    """The maps' pair counter (a plan's maps; a lone map's :attr:`~KernelMap.offset_counts`): :func:`pair_counts`
+    on a GPU (on the CPU the interpreter would run a program at a time; the tests call it directly)."""
     return pair_counts(maps) if maps and maps[0].neighbors.is_cuda else None
 
 
-plan.set_pair_counter(_pair_counts_on_gpu)
+set_pair_counter(_pair_counts_on_gpu)
