@@ -410,7 +410,9 @@ def _start_in(part: torch.Tensor, whole: torch.Tensor) -> int:
     return (part.data_ptr() - whole.data_ptr()) // (whole.stride(0) * whole.element_size())
 
 
+@functools.lru_cache(maxsize=256)
 def _times(a: Triple, b: Triple) -> Triple:
+    """The product per axis (a plan reads ~60 of a few distinct ones a batch: each a generator otherwise)."""
     return tuple(x * y for x, y in zip(a, b))
 
 

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from .. import config as _config
 from ..coords import plan as _plan
 from ..coords.kernel_map import KernelMap
 from ..ops import dispatch as _dispatch
@@ -65,10 +66,13 @@ def run(
 
 def _prepare_planned(wanted: list) -> None:
     """The map plan's call builder: the products the last batch's layers prepared, prepared on the new maps."""
-    tuner = get_tuner()
+    tuner, settings = get_tuner(), {}
     for kernel_map, recipes in wanted:
         for recipe in recipes:
-            tuner.prepare_ahead(kernel_map, recipe)
+            namespace = recipe[0]
+            if namespace not in settings:  # read once a batch, not once a product (~25)
+                settings[namespace] = _config.product_settings(namespace)
+            tuner.prepare_ahead(kernel_map, recipe, settings[namespace])
 
 
 _dispatch.set_runner(run)

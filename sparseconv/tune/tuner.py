@@ -164,17 +164,20 @@ class Tuner:
                                  lambda m: make_key(namespace, problem, m, deterministic))
         return (key, mode.level, mode.names, effort), mode, effort, key
 
-    def prepare_ahead(self, kernel_map: KernelMap, recipe: tuple) -> None:
+    def prepare_ahead(self, kernel_map: KernelMap, recipe: tuple,
+                      settings: tuple[str | None, bool, str] | None = None) -> None:
         """Prepare on a new batch's map the product a layer prepared at its first call on the last batch's
         (``recipe``: (namespace, pin, :attr:`ConvProblem.layer`), what :meth:`run` told the map's
         ``on_call``), where its choice is settled here: the layer's first call then finds it ready, as its
         next calls do, instead of keying, choosing and preparing it there. The map plan calls this for a
         batch's maps together (:func:`sparseconv.coords.plan.set_call_builder`); anything unsettled or
-        failing is left to the layer's call."""
+        failing is left to the layer's call. ``settings``: :func:`config.product_settings` of the recipe's
+        namespace, where the caller read them already."""
         try:
             namespace, pin, layer = recipe
             problem = layer_problem(kernel_map, layer)
-            settings = config.product_settings(namespace)
+            if settings is None:
+                settings = config.product_settings(namespace)
             memo = (namespace, problem, pin, settings)
             if memo in kernel_map.calls:
                 return
