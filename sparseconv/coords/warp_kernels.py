@@ -211,21 +211,21 @@ def define() -> SimpleNamespace:
         out_coords: wp.array2d(dtype=wp.int32),
         table_values: wp.array(dtype=wp.int32),
     ):
-        # ranks: the marks' inclusive prefix sums, level by level. The first row of each cell (its rank
-        # one above the row before's) writes the cell at its rank after the cells of the levels before,
-        # unpacked, and its rank into its table slot (that slot's first-row value is read no more).
+        # ranks: the marks' inclusive prefix sums over all levels, level after level. The first row of
+        # each cell (its rank one above the entry before's) writes the cell at its rank among every
+        # level's cells, unpacked, and its rank within its level's set into its table slot (that slot's
+        # first-row value is read no more).
         level, i = wp.tid()
         n = wp.int64(keys.shape[0])
         at = wp.int64(level) * n + wp.int64(i)
-        before = wp.int32(0)
-        if i > 0:
-            before = ranks[at - wp.int64(1)]
-        if ranks[at] == before:
+        row = wp.int64(0)
+        if at > wp.int64(0):
+            row = wp.int64(ranks[at - wp.int64(1)])
+        if wp.int64(ranks[at]) == row:
             return
-        start = wp.int64(0)
-        for earlier in range(level):
-            start += wp.int64(ranks[wp.int64(earlier) * n + n - wp.int64(1)])
-        row = start + wp.int64(before)
+        start = wp.int64(0)  # the cells of the levels before
+        if level > 0:
+            start = wp.int64(ranks[wp.int64(level) * n - wp.int64(1)])
         key = keys[i] & masks[level]
         base = wp.int64(level) * (mask + wp.int64(1))
         out_keys[row] = key
@@ -234,7 +234,7 @@ def define() -> SimpleNamespace:
         out_coords[row, 1] = wp.int32(((key >> (wp.int64(2) * coord_bits)) & field) - coord_bias)
         out_coords[row, 2] = wp.int32(((key >> coord_bits) & field) - coord_bias)
         out_coords[row, 3] = wp.int32((key & field) - coord_bias)
-        table_values[base + floor_slot(key, table_keys, base, mask)] = before
+        table_values[base + floor_slot(key, table_keys, base, mask)] = wp.int32(row - start)
 
     @wp.func
     def map_lookup(coords: wp.array2d(dtype=wp.int32), row: wp.int64, offsets: wp.array2d(dtype=wp.int32),
