@@ -47,9 +47,24 @@ class BasicBlock(nn.Module):
         )
 
     def forward(self, input: SparseTensor) -> SparseTensor:
-        out = self.norm2(self.conv2(self.relu(self.norm1(self.conv1(input)))))
+        # In inference each norm runs fused with what follows it (BatchNorm.forward_fused): the first with
+        # its ReLU, the second with the sum and the ReLU; the modules run one by one otherwise.
+        hidden = self.conv1(input)
+        watched = self.relu._forward_hooks or self.relu._forward_pre_hooks
+        fused = _fused(self.norm1, hidden, None) if type(self.relu) is ReLU and not watched else None
+        hidden = self.relu(self.norm1(hidden)) if fused is None else fused
+        out = self.conv2(hidden)
         skip = input if self.shortcut is None else self.shortcut(input)
+        fused = _fused(self.norm2, out, skip)
+        if fused is not None:
+            return fused
+        out = self.norm2(out)
         return out.replace(torch.relu(out.feats + skip.feats))
+
+
+def _fused(norm: nn.Module, input: SparseTensor, residual: SparseTensor | None) -> SparseTensor | None:
+    """``relu(norm(input) [+ residual])`` in one pass where ``norm`` can (:meth:`BatchNorm.forward_fused`), else None."""
+    return norm.forward_fused(input, residual, relu=True) if type(norm) is BatchNorm else None
 
 
 def residual_stage(

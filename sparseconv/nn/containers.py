@@ -8,11 +8,31 @@ import torch
 from torch import nn
 
 from ..tensor import SparseTensor
-from .features import features_of
+from .features import ReLU, features_of
+from .norm import BatchNorm
 
 
 class Sequential(nn.Sequential):
-    """nn.Sequential of modules that take and return SparseTensors."""
+    """nn.Sequential of modules that take and return SparseTensors.
+
+    In inference, a :class:`BatchNorm` followed by a :class:`ReLU` runs as one pass
+    (:meth:`BatchNorm.forward_fused`), unless a hook watches the ReLU."""
+
+    def forward(self, input):
+        modules = tuple(self._modules.values())
+        last, at = len(modules) - 1, 0
+        while at <= last:
+            module = modules[at]
+            if at < last and type(module) is BatchNorm:
+                follower = modules[at + 1]
+                if type(follower) is ReLU and not (follower._forward_hooks or follower._forward_pre_hooks):
+                    fused = module.forward_fused(input, relu=True)
+                    if fused is not None:
+                        input, at = fused, at + 2
+                        continue
+            input = module(input)
+            at += 1
+        return input
 
 
 class ToDense(nn.Module):

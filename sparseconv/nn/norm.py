@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.features import channel_affine
 from ..tensor import SparseTensor
 from . import functional as F
 from .features import OnFeatures, check_channels, features_of
@@ -41,6 +42,26 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
         check_channels(self, feats, self.channels_argument)
         scale, shift = self._affine(feats.dtype)
         return input.replace(torch.addcmul(shift, feats, scale))
+
+    def forward_fused(self, input: SparseTensor, residual: SparseTensor | None = None,
+                      relu: bool = False) -> SparseTensor | None:
+        """This norm, then ``+ residual`` (a SparseTensor on the same coordinates) and a ReLU if ``relu``,
+        in one pass (:func:`sparseconv.ops.features.channel_affine`) where the norm is the inference
+        affine map (eval mode, running statistics, autograd off) and no hook watches it; None otherwise,
+        and the caller runs its modules. What :class:`~sparseconv.nn.Sequential` and the ResNet blocks
+        do with a norm followed by a ReLU."""
+        if (self.training or torch.is_grad_enabled() or self.running_mean is None or self.running_var is None
+                or self._forward_hooks or self._forward_pre_hooks):
+            return None
+        feats = features_of(input, self)
+        check_channels(self, feats, self.channels_argument)
+        other = None
+        if residual is not None:
+            other = features_of(residual, self)
+            if other.shape != feats.shape:
+                return None  # the modules' own sum names the mismatch
+        scale, shift = self._affine(feats.dtype)
+        return SparseTensor._derived(channel_affine(feats, scale, shift, other, relu), input.cache, input.coord_id)
 
     def _train(self, input: SparseTensor) -> SparseTensor:
         """Training with running statistics at a set momentum (the usual case): what torch's

@@ -177,3 +177,71 @@ def test_norms_reject_bad_arguments():
         GroupNorm(2, 4)(x)
     with pytest.raises(TypeError, match="GroupNorm takes a SparseTensor, got Tensor"):
         GroupNorm(2, 8)(x.feats)
+
+
+def _eval_norm(channels, device, dtype):
+    norm = _randomise_affine(BatchNorm(channels)).to(device)
+    with torch.no_grad():
+        norm.running_mean.normal_()
+        norm.running_var.uniform_(0.5, 2)
+    return norm.eval().to(dtype)
+
+
+def _count_fused(monkeypatch):
+    """How often the norms' fused kernel path ran (sparseconv.ops.features.channel_affine with a ReLU or sum)."""
+    from sparseconv.nn import norm as norm_module
+
+    calls = []
+    original = norm_module.channel_affine
+    monkeypatch.setattr(norm_module, "channel_affine",
+                        lambda *args: calls.append(args) or original(*args))
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_inference_norm_and_its_relu_run_fused_in_sequential_and_match_the_modules(device, monkeypatch):
+    torch.manual_seed(0)
+    x = _batch(device, channels=8, dtype=torch.float32)
+    block = Sequential(SparseConv3d(8, 16, 3).to(device), _eval_norm(16, device, torch.float32), ReLU(inplace=True))
+    calls = _count_fused(monkeypatch)
+    with torch.no_grad():
+        conv_out = block[0](x)
+        expected = torch.relu(block[1](conv_out).feats)
+        got = block(x)
+    assert len(calls) == 1 and calls[0][4] is True, "one fused pass, with the ReLU"
+    assert torch.allclose(got.feats, expected, atol=1e-5) and (got.feats == 0).any()
+    assert torch.equal(got.coords, x.coords)
+    # A hook on the ReLU sees its call: no fusion then. Training mode or autograd on: the modules too.
+    seen = []
+    handle = block[2].register_forward_hook(lambda module, args, out: seen.append(out))
+    with torch.no_grad():
+        hooked = block(x)
+    handle.remove()
+    assert len(seen) == 1 and len(calls) == 1 and torch.allclose(hooked.feats, expected, atol=1e-5)
+    block(x)
+    assert len(calls) == 1, "autograd on: the norm's own forward"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_basic_blocks_inference_fuses_its_norms_and_matches_the_modules(device, monkeypatch):
+    from sparseconv.models.blocks import BasicBlock
+
+    torch.manual_seed(1)
+    for channels_in in (8, 12):  # the identity skip, then the projected one
+        x = _batch(device, channels=channels_in, dtype=torch.float32)
+        block = BasicBlock(channels_in, 8).to(device)
+        for name in ("norm1", "norm2"):
+            setattr(block, name, _eval_norm(8, device, torch.float32))
+        if block.shortcut is not None:
+            block.shortcut[1] = _eval_norm(8, device, torch.float32)
+        block.eval()
+        calls = _count_fused(monkeypatch)
+        with torch.no_grad():
+            got = block(x)
+            hidden = block.relu(block.norm1(block.conv1(x)))
+            out = block.norm2(block.conv2(hidden))
+            skip = x if block.shortcut is None else block.shortcut(x)
+            expected = torch.relu(out.feats + skip.feats)
+        assert [call[3] is not None for call in calls] == [False, True], "norm1 with its ReLU, norm2 with the sum"
+        assert torch.allclose(got.feats, expected, atol=1e-5)
+        monkeypatch.undo()

@@ -1,0 +1,63 @@
+"""The inference norm's fused affine map (sparseconv.ops.features.channel_affine) against float64, on the
+GPU and under Triton's interpreter on the CPU (conftest), and torch's ops where the kernel does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES
+
+from sparseconv.ops import features
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+"""Relative to the largest magnitude of the result: about two roundings of each dtype."""
+
+
+def _operands(n, c, dtype, device):
+    feats = torch.randn(n, c, dtype=dtype, device=device) * 3
+    scale, shift = torch.randn(c, dtype=dtype, device=device), torch.randn(c, dtype=dtype, device=device)
+    return feats, scale, shift, torch.randn(n, c, dtype=dtype, device=device)
+
+
+def _reference(feats, scale, shift, residual, relu):
+    out = feats.double() * scale.double() + shift.double()
+    if residual is not None:
+        out = out + residual.double()
+    return out.clamp_min(0) if relu else out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("residual, relu", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("n, c", [(700, 32), (37, 96), (5, 3)])
+def test_the_fused_affine_map_matches_float64(device, dtype, residual, relu, n, c):
+    feats, scale, shift, other = _operands(n, c, dtype, device)
+    other = other if residual else None
+    assert features._fusable(feats, scale, shift, other), "the kernel takes these (GPU, or the interpreter)"
+    got = features.channel_affine(feats, scale, shift, other, relu)
+    expected = _reference(feats, scale, shift, other, relu)
+    assert got.dtype == dtype and got.shape == feats.shape and got.data_ptr() != feats.data_ptr()
+    error = (got.double() - expected).abs().max().item()
+    assert error <= TOLERANCE[dtype] * expected.abs().max().item(), error
+    if relu:
+        assert (got >= 0).all() and (got == 0).any(), "the ReLU clamps (a third of the values are negative)"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_operands_the_kernel_does_not_take_go_through_torch(device):
+    # A strided (non-contiguous) feature view, a residual of another dtype: torch's ops, the same values.
+    feats, scale, shift, other = _operands(64, 48, torch.float32, device)
+    view = feats[:, :32]
+    assert not features._fusable(view, scale[:32], shift[:32], None)
+    got = features.channel_affine(view, scale[:32], shift[:32], None, relu=True)
+    assert torch.allclose(got.double(), _reference(view, scale[:32], shift[:32], None, True), atol=1e-5)
+    assert not features._fusable(feats, scale, shift, other.double())
+    got = features.channel_affine(feats, scale, shift, other.double().float(), relu=False)
+    assert torch.allclose(got.double(), _reference(feats, scale, shift, other, False), atol=1e-5)
+
+
+def test_the_norm_alone_stays_torchs_op(monkeypatch):
+    # Only what the kernel fuses pays for its launch: a lone affine map is torch's addcmul.
+    feats, scale, shift, _ = _operands(16, 8, torch.float32, "cpu")
+    monkeypatch.setattr(features, "launch", lambda *a, **k: pytest.fail("launched for a lone affine map"))
+    assert torch.allclose(features.channel_affine(feats, scale, shift), torch.addcmul(shift, feats, scale))
