@@ -52,6 +52,23 @@ def test_a_conv_layer_compiles_with_fullgraph_once_its_map_is_built_and_matches_
         torch.testing.assert_close(g, e)
 
 
+def test_an_inference_block_with_fused_norms_compiles_with_fullgraph_and_matches_eager():
+    # Eager inference fuses each norm with its ReLU and sum in one Triton launch (BatchNorm.forward_fused);
+    # traced, torch's ops run instead (Dynamo cannot trace the launch; Inductor fuses them itself).
+    from sparseconv.models.blocks import BasicBlock, conv_norm_relu
+
+    x = _input(channels=4)
+    model = torch.nn.Sequential(conv_norm_relu(4, 8), BasicBlock(8, 8)).eval()
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm1d):
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2)
+    with torch.no_grad():
+        eager = model(x)  # builds the maps
+        out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(out.feats, eager.feats, rtol=1e-5, atol=1e-5)
+
+
 def test_without_a_built_map_fullgraph_names_the_map_build():
     x = _input(channels=4)
     conv = SparseConv3d(4, 8, 3, fwd_algo=PIN)

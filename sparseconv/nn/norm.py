@@ -87,20 +87,27 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
 
     def _affine(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, shift) of the running statistics and affine parameters, computed in at least
-        float32 (as batch_norm does) and cast to ``dtype``; recomputed when any of them changed."""
+        float32 (as batch_norm does) and cast to ``dtype``; recomputed when any of them changed (and on
+        every call under torch.compile, which traces the computation but not the tensors' versions and
+        addresses that the kept pair is stamped with)."""
+        if torch.compiler.is_compiling():
+            return self._affine_of(dtype)
         tensors = (self.running_mean, self.running_var, self.weight, self.bias)
         stamp = (dtype, self.eps, *((t._version, t.data_ptr()) if t is not None else None for t in tensors))
         held = self.__dict__.get("_inference_affine")
         if held is None or held[0] != stamp:
-            wide = torch.promote_types(dtype, torch.float32)
-            scale = torch.rsqrt(self.running_var.to(wide) + self.eps)
-            if self.weight is not None:
-                scale = scale * self.weight.to(wide)
-            shift = -self.running_mean.to(wide) * scale
-            if self.bias is not None:
-                shift = shift + self.bias.to(wide)
-            held = self.__dict__["_inference_affine"] = (stamp, (scale.to(dtype), shift.to(dtype)))
+            held = self.__dict__["_inference_affine"] = (stamp, self._affine_of(dtype))
         return held[1]
+
+    def _affine_of(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        wide = torch.promote_types(dtype, torch.float32)
+        scale = torch.rsqrt(self.running_var.to(wide) + self.eps)
+        if self.weight is not None:
+            scale = scale * self.weight.to(wide)
+        shift = -self.running_mean.to(wide) * scale
+        if self.bias is not None:
+            shift = shift + self.bias.to(wide)
+        return scale.to(dtype), shift.to(dtype)
 
 
 class SyncBatchNorm(OnFeatures, nn.SyncBatchNorm):

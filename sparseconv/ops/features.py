@@ -28,9 +28,10 @@ def channel_affine(feats: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
 
     feats: (N, C) float16/bfloat16/float32; scale, shift: (C,) of its dtype and device; residual: (N, C)
     like feats. On a GPU with Triton (or under its interpreter), one kernel computes it in fp32 and
-    rounds once; elsewhere torch's ops do, rounding after each.
+    rounds once; elsewhere torch's ops do, rounding after each, and so under torch.compile, which traces
+    them (and fuses them itself) where it could not trace the kernel's launch.
     """
-    if (residual is not None or relu) and _fusable(feats, scale, shift, residual):
+    if (residual is not None or relu) and _fusable(feats, scale, shift, residual) and not torch.compiler.is_compiling():
         out = torch.empty_like(feats)
         numel = feats.numel()
         if numel:
