@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..nn import BatchNorm, ReLU, Sequential, SparseConv3d
+from ..nn.features import unwatched
 from ..tensor import SparseTensor
 
 NormFactory = Callable[[int], nn.Module]
@@ -50,8 +51,7 @@ class BasicBlock(nn.Module):
         # In inference each norm runs fused with what follows it (BatchNorm.forward_fused): the first with
         # its ReLU, the second with the sum and the ReLU; the modules run one by one otherwise.
         hidden = self.conv1(input)
-        watched = self.relu._forward_hooks or self.relu._forward_pre_hooks
-        fused = _fused(self.norm1, hidden, None) if type(self.relu) is ReLU and not watched else None
+        fused = _fused(self.norm1, hidden, None) if type(self.relu) is ReLU and unwatched(self.relu) else None
         hidden = self.relu(self.norm1(hidden)) if fused is None else fused
         out = self.conv2(hidden)
         skip = input if self.shortcut is None else self.shortcut(input)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..tensor import SparseTensor
-from .features import ReLU, features_of
+from .features import ReLU, features_of, unwatched
 from .norm import BatchNorm
 
 
@@ -25,7 +25,7 @@ class Sequential(nn.Sequential):
             module = modules[at]
             if at < last and type(module) is BatchNorm:
                 follower = modules[at + 1]
-                if type(follower) is ReLU and not (follower._forward_hooks or follower._forward_pre_hooks):
+                if type(follower) is ReLU and unwatched(follower):
                     fused = module.forward_fused(input, relu=True)
                     if fused is not None:
                         input, at = fused, at + 2

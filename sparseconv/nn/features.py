@@ -34,6 +34,12 @@ class OnFeatures:
         return input.replace(super().forward(feats))
 
 
+def unwatched(module: nn.Module) -> bool:
+    """Whether no forward hook watches ``module`` (a caller may then compute its output without calling it:
+    a norm fused with the ReLU after it, :meth:`~sparseconv.nn.BatchNorm.forward_fused`)."""
+    return not (module._forward_hooks or module._forward_pre_hooks)
+
+
 def check_channels(module: nn.Module, feats: torch.Tensor, argument: str) -> None:
     """ValueError naming ``argument`` unless feats (N, C) has the C that ``module.<argument>`` fixes."""
     expected = getattr(module, argument)

@@ -14,7 +14,7 @@ from torch import nn
 from ..ops.features import channel_affine
 from ..tensor import SparseTensor
 from . import functional as F
-from .features import OnFeatures, check_channels, features_of
+from .features import OnFeatures, check_channels, features_of, unwatched
 
 
 _NATIVE = torch.version.hip is None
@@ -51,7 +51,7 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
         and the caller runs its modules. What :class:`~sparseconv.nn.Sequential` and the ResNet blocks
         do with a norm followed by a ReLU."""
         if (self.training or torch.is_grad_enabled() or self.running_mean is None or self.running_var is None
-                or self._forward_hooks or self._forward_pre_hooks):
+                or not unwatched(self)):
             return None
         feats = features_of(input, self)
         check_channels(self, feats, self.channels_argument)
