@@ -19,7 +19,7 @@ from .backends.mask_views import fused as _triton_runs
 from .backends.triton_launch import launch
 
 BLOCK = 1024
-"""Elements a program takes (8 warps of 4 x 32 lanes, 4 fp32 values each after the load)."""
+"""Elements a program takes (Triton's default 4 warps: 8 a lane)."""
 
 
 def channel_affine(feats: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
@@ -41,7 +41,7 @@ def channel_affine(feats: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         return out
     out = torch.addcmul(shift, feats, scale)
     if residual is not None:
-        out += residual
+        out = out + residual  # promoted as the modules' own sum would be (a wider residual widens the result)
     return out.relu_() if relu else out
 
 

@@ -52,8 +52,9 @@ def test_operands_the_kernel_does_not_take_go_through_torch(device):
     got = features.channel_affine(view, scale[:32], shift[:32], None, relu=True)
     assert torch.allclose(got.double(), _reference(view, scale[:32], shift[:32], None, True), atol=1e-5)
     assert not features._fusable(feats, scale, shift, other.double())
-    got = features.channel_affine(feats, scale, shift, other.double().float(), relu=False)
-    assert torch.allclose(got.double(), _reference(feats, scale, shift, other, False), atol=1e-5)
+    got = features.channel_affine(feats, scale, shift, other.double(), relu=False)
+    assert got.dtype == torch.float64, "promoted as torch's sum of the two would be"
+    assert torch.allclose(got, _reference(feats, scale, shift, other, False), atol=1e-5)
 
 
 def test_the_norm_alone_stays_torchs_op(monkeypatch):
