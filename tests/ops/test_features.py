@@ -40,7 +40,9 @@ def test_the_fused_affine_map_matches_float64(device, dtype, residual, relu, n, 
     error = (got.double() - expected).abs().max().item()
     assert error <= TOLERANCE[dtype] * expected.abs().max().item(), error
     if relu:
-        assert (got >= 0).all() and (got == 0).any(), "the ReLU clamps (a third of the values are negative)"
+        negative = _reference(feats, scale, shift, other, False) < 0
+        assert (got >= 0).all() and (got[negative] == 0).all(), "the ReLU clamps"
+        assert n * c < 100 or negative.any(), "the larger cases have values to clamp (about a third)"
 
 
 @pytest.mark.parametrize("device", DEVICES)
