@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..nn import BatchNorm, ReLU, Sequential, SparseConv3d
-from ..nn.features import unwatched
+from ..nn.norm import fused_norm_relu
 from ..tensor import SparseTensor
 
 NormFactory = Callable[[int], nn.Module]
@@ -51,20 +51,15 @@ class BasicBlock(nn.Module):
         # In inference each norm runs fused with what follows it (BatchNorm.forward_fused): the first with
         # its ReLU, the second with the sum and the ReLU; the modules run one by one otherwise.
         hidden = self.conv1(input)
-        fused = _fused(self.norm1, hidden, None) if type(self.relu) is ReLU and unwatched(self.relu) else None
+        fused = fused_norm_relu(self.norm1, self.relu, hidden)
         hidden = self.relu(self.norm1(hidden)) if fused is None else fused
         out = self.conv2(hidden)
         skip = input if self.shortcut is None else self.shortcut(input)
-        fused = _fused(self.norm2, out, skip)
+        fused = fused_norm_relu(self.norm2, None, out, skip)
         if fused is not None:
             return fused
         out = self.norm2(out)
         return out.replace(torch.relu(out.feats + skip.feats))
-
-
-def _fused(norm: nn.Module, input: SparseTensor, residual: SparseTensor | None) -> SparseTensor | None:
-    """``relu(norm(input) [+ residual])`` in one pass where ``norm`` can (:meth:`BatchNorm.forward_fused`), else None."""
-    return norm.forward_fused(input, residual, relu=True) if type(norm) is BatchNorm else None
 
 
 def residual_stage(

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ..tensor import SparseTensor
-from .features import ReLU, features_of, unwatched
-from .norm import BatchNorm
+from .features import features_of
+from .norm import fused_norm_relu
 
 
 class Sequential(nn.Sequential):
@@ -23,13 +23,10 @@ class Sequential(nn.Sequential):
         last, at = len(modules) - 1, 0
         while at <= last:
             module = modules[at]
-            if at < last and type(module) is BatchNorm:
-                follower = modules[at + 1]
-                if type(follower) is ReLU and unwatched(follower):
-                    fused = module.forward_fused(input, relu=True)
-                    if fused is not None:
-                        input, at = fused, at + 2
-                        continue
+            fused = fused_norm_relu(module, modules[at + 1], input) if at < last else None
+            if fused is not None:
+                input, at = fused, at + 2
+                continue
             input = module(input)
             at += 1
         return input

@@ -14,7 +14,7 @@ from torch import nn
 from ..ops.features import channel_affine
 from ..tensor import SparseTensor
 from . import functional as F
-from .features import OnFeatures, check_channels, features_of, unwatched
+from .features import OnFeatures, ReLU, check_channels, features_of, unwatched
 
 
 _NATIVE = torch.version.hip is None
@@ -108,6 +108,17 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
         if self.bias is not None:
             shift = shift + self.bias.to(wide)
         return scale.to(dtype), shift.to(dtype)
+
+
+def fused_norm_relu(norm: nn.Module, relu: nn.Module | None, input: SparseTensor,
+                    residual: SparseTensor | None = None) -> SparseTensor | None:
+    """``relu(norm(input) [+ residual])`` in one pass (:meth:`BatchNorm.forward_fused`) where ``norm`` is a
+    BatchNorm that can and ``relu``, the module after it, is a ReLU no hook watches (None: a functional ReLU);
+    None otherwise, and the caller runs the modules. :class:`~sparseconv.nn.Sequential` and the ResNet blocks
+    call it."""
+    if type(norm) is not BatchNorm or not (relu is None or (type(relu) is ReLU and unwatched(relu))):
+        return None
+    return norm.forward_fused(input, residual, relu=True)
 
 
 class SyncBatchNorm(OnFeatures, nn.SyncBatchNorm):
