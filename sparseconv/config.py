@@ -31,7 +31,8 @@ VARIABLES = {
     "SPARSECONV_SHIPPED_TUNINGS": "1 (default): use the tunings shipped for common GPUs under the cache | 0: ignore them",
     "SPARSECONV_BACKGROUND_COMPILE": ("1 (default): on a GPU, a layer whose algorithm is decided (tuning cache or "
                                       "shipped tunings) but not compiled yet runs the reference while it compiles "
-                                      "in worker processes | 0: compile it in the call"),
+                                      "in worker processes, and a map view whose kernel is not compiled yet is built "
+                                      "by torch ops meanwhile | 0: compile them in the call"),
     "SPARSECONV_PLAN_MAPS": ("1 (default): a new batch builds the kernel maps the latest batches asked for at once "
                              "(few launches, one host sync) | 0: each map when a layer first asks for it"),
     "SPARSECONV_NVCC": "nvcc for the CUTLASS backends (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",

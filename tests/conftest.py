@@ -66,3 +66,16 @@ def fresh_seed(request):
     torch.manual_seed(seed)
     print(f"torch seed {seed}")
     return seed
+
+
+@pytest.fixture(autouse=True)
+def view_gate(monkeypatch):
+    """Tests launch the view kernels (pair counts and lists, the fused norm) in the call, as without
+    background compiles: a test calling a view builder gets its kernel's result, not None while it
+    compiles in a worker. Returns the gate the tuner registered (triton_launch.launch_ready), for the
+    tests of that gate."""
+    from sparseconv.ops.backends import triton_launch
+
+    registered = triton_launch._gate
+    monkeypatch.setattr(triton_launch, "_gate", None)
+    return registered

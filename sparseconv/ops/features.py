@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from .backends.mask_views import fused as _triton_runs
-from .backends.triton_launch import launch
+from .backends.triton_launch import launch_ready
 
 BLOCK = 1024
 """Elements a program takes (Triton's default 4 warps: 8 a lane)."""
@@ -34,11 +34,11 @@ def channel_affine(feats: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
     if (residual is not None or relu) and _fusable(feats, scale, shift, residual) and not torch.compiler.is_compiling():
         out = torch.empty_like(feats)
         numel = feats.numel()
-        if numel:
-            launch(_kernels().channel_affine, (-(-numel // BLOCK),), feats, scale, shift,
-                   feats if residual is None else residual, out, numel, feats.shape[1],
-                   BLOCK=BLOCK, RESIDUAL=residual is not None, RELU=relu)
-        return out
+        # (not compiled yet: torch's ops below, while it compiles in the background, launch_ready)
+        if not numel or launch_ready((_kernels, "channel_affine"), (-(-numel // BLOCK),), feats, scale, shift,
+                                     feats if residual is None else residual, out, numel, feats.shape[1],
+                                     BLOCK=BLOCK, RESIDUAL=residual is not None, RELU=relu):
+            return out
     out = torch.addcmul(shift, feats, scale)
     if residual is not None:
         out = out + residual  # promoted as the modules' own sum would be (a wider residual widens the result)

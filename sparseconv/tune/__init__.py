@@ -16,6 +16,7 @@ from ..coords import plan as _plan
 from ..coords.kernel_map import KernelMap
 from ..ops import dispatch as _dispatch
 from ..ops.backends import registry as _registry
+from ..ops.backends import triton_launch as _triton_launch
 from ..ops.problem import ConvProblem
 from . import shipped
 from .cache import TuneCache
@@ -46,7 +47,8 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     seconds passed first): a benchmark's warm-up calls this, then runs once more, before timing.
 
     On a GPU, a layer whose algorithm is decided (tuning cache or shipped tunings) but whose
-    kernels are not compiled yet runs the reference while they compile in worker processes
+    kernels are not compiled yet runs the reference while they compile in worker processes, and a
+    map's views whose kernels are not compiled yet are built by torch's ops meanwhile
     (``SPARSECONV_BACKGROUND_COMPILE=0`` compiles them in the call instead)."""
     return get_tuner().wait_for_compiles(timeout)
 
@@ -75,7 +77,17 @@ def _prepare_planned(wanted: list) -> None:
             tuner.prepare_ahead(kernel_map, recipe, settings[namespace])
 
 
+def _compile_view(device: torch.device, key, hook, args: tuple) -> bool:
+    """The view kernels' compile gate (:func:`~sparseconv.ops.backends.triton_launch.launch_ready`): on a GPU,
+    with background compiles on, a view kernel not compiled yet compiles in the tuner's workers while the
+    view is built by torch ops (a cold process's first batch), as a decided product runs the reference."""
+    if device.type != "cuda" or not _config.background_compile() or torch.cuda.is_current_stream_capturing():
+        return True
+    return get_tuner().compile_view(key, hook, args)
+
+
 _dispatch.set_runner(run)
+_triton_launch.set_compile_gate(_compile_view)
 _plan.set_call_builder(_prepare_planned)
 _registry.set_inner_tuner(autotune)
 

@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -214,6 +214,12 @@ class Tuner:
         """Wait for the background compiles queued so far (see :meth:`_compile_later`); False if
         ``timeout`` seconds passed first. The next call of each such layer then runs its choice."""
         return self._compiles.background.wait(timeout)
+
+    def compile_view(self, key: Hashable, hook: Callable, args: tuple) -> bool:
+        """Whether a view kernel (``key``) is compiled, ``hook(*args)`` compiling it in the background
+        workers where not (queued by the first call): the view kernels' compile gate
+        (:func:`sparseconv.ops.backends.triton_launch.set_compile_gate`)."""
+        return self._compiles.background.ready(("view", key), hook, args, ("view", key))
 
     def compiling(self) -> int:
         """How many products ran the reference because their kernels were compiling in the

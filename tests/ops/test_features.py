@@ -62,5 +62,5 @@ def test_operands_the_kernel_does_not_take_go_through_torch(device):
 def test_the_norm_alone_stays_torchs_op(monkeypatch):
     # Only what the kernel fuses pays for its launch: a lone affine map is torch's addcmul.
     feats, scale, shift, _ = _operands(16, 8, torch.float32, "cpu")
-    monkeypatch.setattr(features, "launch", lambda *a, **k: pytest.fail("launched for a lone affine map"))
+    monkeypatch.setattr(features, "launch_ready", lambda *a, **k: pytest.fail("launched for a lone affine map"))
     assert torch.allclose(features.channel_affine(feats, scale, shift), torch.addcmul(shift, feats, scale))

@@ -186,6 +186,37 @@ def test_pair_counts_of_several_maps_in_one_launch_and_of_one_alone_are_each_map
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_views_whose_kernels_are_not_compiled_yet_are_built_by_torch_the_same(device):
+    """A cold process's first batch: while the compile gate says a view kernel is not compiled (it compiles
+    in the background), pair counts, pair lists and the fused norm come from torch's ops, equal to the
+    kernels' (the counts and lists exactly; the norm's one rounding against torch's three), launching none."""
+    from sparseconv.ops.backends import triton_launch
+    from sparseconv.ops.features import channel_affine
+
+    _, cold = _input_and_map(CASES[0], 2, device, torch.float32, n=300, extent=9 if device == "cpu" else 40)
+    feats = torch.randn(70, 24, device=device, dtype=torch.float16)
+    residual, shift = torch.randn_like(feats), torch.randn(24, device=device).half()
+    scale = torch.rand(24, device=device).half() + 0.5
+    launched = []
+    with pytest.MonkeyPatch.context() as compiling:
+        compiling.setattr(triton_launch, "_READY", set())
+        compiling.setattr(triton_launch, "_COMPILED", {})
+        compiling.setattr(triton_launch, "_gate", lambda *a: False)
+        compiling.setattr(triton_launch, "_launch", lambda kernel, *a: launched.append(kernel))
+        counts, pairs = cold.offset_counts, cold.pairs
+        fused = channel_affine(feats, scale, shift, residual, relu=True)
+        assert launched == [] and planned_views.pair_counts([cold]) is None and mask_views.pair_lists(cold) is None
+    assert torch.equal(fused, (torch.addcmul(shift, feats, scale) + residual).relu_())
+    warm = kernel_map_module.KernelMap(cold.neighbors, cold.num_in, cold.kernel_size, cold.identity_offset)
+    assert torch.equal(planned_views.pair_counts([warm])[0], counts)
+    for got, want in zip(mask_views.pair_lists(warm), pairs):
+        assert torch.equal(got, want)
+    reference = (feats.float() * scale.float() + shift.float() + residual.float()).relu()
+    assert torch.allclose(channel_affine(feats, scale, shift, residual, relu=True).float(), reference, atol=1e-2)
+    assert torch.allclose(fused.float(), reference, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_split_wgrad_leaves_its_sums_zeroed_for_the_next_launch(device, poisoned_outputs):
     """Split launches add into the stream's fp32 sums, and the last split of each tile stores dW and
     zeroes its part: launches of other shapes and maps after each other (each writing a poisoned

@@ -223,3 +223,90 @@ def test_a_real_launch_hook_sees_the_direct_launches():
             previous.remove(hook) if hasattr(previous, "remove") else setattr(owner, "launch_enter_hook", previous)
     torch.cuda.synchronize()
     assert len(seen) == 1
+
+
+class Kernels:
+    """A stand-in for a module's kernels: ``source = (kernels_of, "scale")``."""
+
+    kernel = Kernel()
+
+
+def kernels_of():
+    return Kernels
+
+
+@pytest.fixture
+def gate(monkeypatch, direct):
+    """A compile gate that says "not compiled" to each kernel's first ask, then "compiled"; it records its asks."""
+    asks = []
+
+    def ask(device, key, hook, args):
+        asks.append((key, hook, args))
+        return sum(1 for k, _, _ in asks if k == key) > 1
+
+    monkeypatch.setattr(tk, "_gate", ask)
+    monkeypatch.setattr(tk, "_READY", set())
+    Kernels.kernel = Kernel()
+    return asks
+
+
+def test_a_kernel_not_compiled_yet_launches_nothing_and_is_compiled_by_the_gate(gate):
+    x = torch.zeros(8)
+    assert not tk.launch_ready((kernels_of, "kernel"), (2,), x, x, 8, BLOCK=4)
+    assert Kernels.kernel.launches == [] and len(gate) == 1
+    key, hook, args = gate[0]
+    # What a worker runs: the kernel looked up by its module function and name, pointers given as their dtype.
+    assert hook is tk.warm_kernel and args == ((kernels_of, "kernel"), -1, (torch.float32, torch.float32, 8), {"BLOCK": 4})
+    assert tk.launch_ready((kernels_of, "kernel"), (2,), x, x, 8, BLOCK=4)  # compiled now
+    assert tk.launch_ready((kernels_of, "kernel"), (2,), x, x, 8, BLOCK=4)
+    assert ways(Kernels.kernel) == ["triton", "direct"] and len(gate) == 2, "a launched kernel asks no more"
+    # Arguments that select another binary (another block size, an int that is 1) are another kernel to the gate.
+    assert not tk.launch_ready((kernels_of, "kernel"), (2,), x, x, 8, BLOCK=8)
+    assert not tk.launch_ready((kernels_of, "kernel"), (2,), x, x, 1, BLOCK=4)
+    assert len(gate) == 4 and gate[2][0] != gate[3][0] != gate[0][0]
+
+
+def test_without_a_gate_every_kernel_launches(monkeypatch, direct):
+    monkeypatch.setattr(tk, "_gate", None)
+    Kernels.kernel = Kernel()
+    x = torch.zeros(8)
+    assert tk.launch_ready((kernels_of, "kernel"), (2,), x, x, 8, BLOCK=4)
+    assert ways(Kernels.kernel) == ["triton"]
+
+
+def test_the_tuners_gate_compiles_only_gpu_kernels_in_the_background(monkeypatch, view_gate):
+    import sparseconv.tune as tune
+
+    assert view_gate is tune._compile_view, "the tuner registers its gate"
+    asked = []
+    monkeypatch.setattr(tune.get_tuner(), "compile_view", lambda *a: asked.append(a) or False)
+    assert view_gate(torch.device("cpu"), "k", tk.warm_kernel, ()) and not asked
+    monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
+    assert view_gate(torch.device("cuda", 0), "k", tk.warm_kernel, ()) and not asked
+    monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "1")
+    assert not view_gate(torch.device("cuda", 0), "k", tk.warm_kernel, ()) and len(asked) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_view_kernel_compiles_in_a_worker_while_torch_builds_the_view(monkeypatch, view_gate):
+    # The real gate: the first ask queues the compile in a background worker and torch counts the pairs;
+    # once it has compiled, the kernel counts them, the same.
+    import sparseconv.tune as tune
+    from sparseconv import SparseTensor
+    from sparseconv.coords import KernelMapKey
+    from sparseconv.ops.backends import planned_views
+
+    monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "1")
+    monkeypatch.setattr(tk, "_gate", view_gate)
+    monkeypatch.setattr(tk, "_READY", set())
+    monkeypatch.setattr(tk, "_COMPILED", {})
+    coords = torch.randint(0, 30, (3000, 4), dtype=torch.int32)
+    coords[:, 0] = 0
+    coords = torch.unique(coords, dim=0).cuda()
+    x = SparseTensor(coords, torch.zeros(len(coords), 1, device="cuda"))
+    kernel_map = x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0]
+    assert planned_views.pair_counts([kernel_map]) is None, "not compiled yet: the caller counts with torch"
+    assert tune.wait_for_compiles(300)
+    counts, starts = planned_views.pair_counts([kernel_map])
+    assert starts == [0] and torch.equal(counts, (kernel_map.neighbors >= 0).sum(0))

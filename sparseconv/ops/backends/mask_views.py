@@ -18,7 +18,7 @@ import torch
 from ... import config
 from ...coords.kernel_map import KernelMap, set_pair_builder
 from . import triton_kernels as tk
-from .triton_launch import launch, warm
+from .triton_launch import launch, launch_ready, warm
 
 
 def product_table(kernel_map: KernelMap, forward: bool) -> torch.Tensor:
@@ -159,13 +159,13 @@ def _width(width: int) -> int:
 def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:attr:`KernelMap.pairs` of a map with its own (contiguous) table, by two Triton launches and
     a cumsum (torch's: a compaction and ~8 ops); None where the torch ops build them (no Triton, an
-    adjoint: its source's lists swapped). Registered with the maps on a GPU: every backend reading
-    a map's pairs gets these there."""
+    adjoint: its source's lists swapped, kernels not compiled yet: :func:`launch_ready`). Registered with
+    the maps on a GPU: every backend reading a map's pairs gets these there."""
     table = kernel_map.neighbors
     if not (fused(table) and table.is_contiguous()):
         return None
     rows, volume = table.shape
-    kernels, device = tk.kernels(), table.device
+    device = table.device
     width, block = _width(volume), _pair_block(volume)
     blocks = max(1, tk.cdiv(rows, block))
     total = kernel_map.num_pairs
@@ -176,13 +176,16 @@ def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch
     in_idx, _, out_idx, _, offset_ptr, _, counts = buffer.split_with_sizes(
         (total, lists - total, total, lists - total, volume + 1, starts - volume - 1, buffer.shape[0] - 2 * lists - starts))
     counts = counts.view(torch.int32)[: width * blocks].view(width, blocks)
-    launch(kernels.pair_blocks, (blocks,), table, counts, rows, volume, blocks, BLOCK=block, WIDTH=width)
+    if not launch_ready((tk.kernels, "pair_blocks"), (blocks,), table, counts, rows, volume, blocks, BLOCK=block,
+                        WIDTH=width):
+        return None
     # Each offset's counts along a row: torch scans an innermost dimension in parallel, where its scan
     # of (blocks, width) down the blocks took 151 µs of GPU time for street4's input map (H200).
     # int32, as counted: torch's default widens integers to int64, one more launch (a map holds < 2**31 pairs)
     before = torch.cumsum(counts, 1, dtype=torch.int32)
-    launch(kernels.pair_lists, (blocks,), table, before, in_idx, out_idx, offset_ptr, rows, volume, blocks,
-              BLOCK=block, WIDTH=width)
+    if not launch_ready((tk.kernels, "pair_lists"), (blocks,), table, before, in_idx, out_idx, offset_ptr, rows, volume,
+                        blocks, BLOCK=block, WIDTH=width):
+        return None
     return in_idx, out_idx, offset_ptr
 
 

@@ -20,7 +20,7 @@ from .mask_views import (
     MASK_ROWS, PLAN_VIEW, PLANNED_SHIFT, ROWS_VIEW, _pair_block, _plan_layout, _plan_views, _rows_key, _width, fused,
     launch_tile_plan, product_table, sorted_rows,
 )
-from .triton_launch import launch
+from .triton_launch import launch, launch_ready
 
 
 def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
@@ -190,7 +190,7 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
     torch took two ops a map and a concatenation (~27 a street1 pass; one map's sum alone ~60 µs of
     host time, H200), and each map's start in them (16-byte aligned: the
     mask kernels take a map's counts as a pointer, and Triton compiles a kernel per alignment);
-    None where the kernels do not run (see :func:`fused`)."""
+    None where the kernels do not run (see :func:`fused`) or are not compiled yet (:func:`launch_ready`)."""
     tables = [m.neighbors for m in maps]
     if not all(fused(t) and t.dtype == torch.int32 and t.is_contiguous() for t in tables):
         return None
@@ -199,9 +199,9 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
     if len(tables) == 1:  # no table of addresses to copy to the device: the one-table kernel
         (rows, width), = (t.shape for t in tables)
         out = torch.zeros(width, dtype=torch.int64, device=tables[0].device)
-        if rows:
-            launch(tk.kernels().pair_counts, (-(-rows // block),), tables[0], out, rows, width, BLOCK=block,
-                   WIDTH=_width(width))
+        if rows and not launch_ready((tk.kernels, "pair_counts"), (-(-rows // block),), tables[0], out, rows, width,
+                                     BLOCK=block, WIDTH=_width(width)):
+            return None
         return out, [0]
     meta, first, starts = [], 0, [0]
     for table in tables:
@@ -211,7 +211,9 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
         starts.append(starts[-1] + -(-width // 2) * 2)
     out = torch.zeros(starts[-1], dtype=torch.int64, device=tables[0].device)
     meta_tensor = torch.tensor(meta, dtype=torch.int64).to(out.device, non_blocking=True)
-    launch(tk.kernels().pair_counts_many, (first,), meta_tensor, out, len(tables), BLOCK=block, WIDTH=_width(widest))
+    if not launch_ready((tk.kernels, "pair_counts_many"), (first,), meta_tensor, out, len(tables), BLOCK=block,
+                        WIDTH=_width(widest)):
+        return None
     return out, starts[:-1]
 
 
