@@ -81,8 +81,10 @@ def _compile_view(device: torch.device, key, hook, args: tuple) -> bool:
     """The view kernels' compile gate (:func:`~sparseconv.ops.backends.triton_launch.launch_ready`): on a GPU,
     with background compiles on, a view kernel not compiled yet compiles in the tuner's workers while the
     view is built by torch ops (a cold process's first batch), as a decided product runs the reference."""
-    if device.type != "cuda" or not _config.background_compile() or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or not _config.background_compile():
         return True
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return True  # compiled in the call, as a product's kernels are during a capture
     return get_tuner().compile_view(key, hook, args)
 
 
