@@ -23,7 +23,7 @@ from .cache import TuneCache
 from .configs import Candidate, Config
 from .decorator import autotune
 from .key import TuneKey, make_key
-from .tuner import Tuner
+from .tuner import Tuner, compile_view
 from .warmup import warmup
 
 
@@ -77,19 +77,8 @@ def _prepare_planned(wanted: list) -> None:
             tuner.prepare_ahead(kernel_map, recipe, settings[namespace])
 
 
-def _compile_view(device: torch.device, key, hook, args: tuple) -> bool:
-    """The view kernels' compile gate (:func:`~sparseconv.ops.backends.triton_launch.launch_ready`): on a GPU,
-    with background compiles on, a view kernel not compiled yet compiles in the tuner's workers while the
-    view is built by torch ops (a cold process's first batch), as a decided product runs the reference."""
-    if device.type != "cuda" or not _config.background_compile():
-        return True
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return True  # compiled in the call, as a product's kernels are during a capture
-    return get_tuner().compile_view(key, hook, args)
-
-
 _dispatch.set_runner(run)
-_triton_launch.set_compile_gate(_compile_view)
+_triton_launch.set_compile_gate(compile_view)
 _plan.set_call_builder(_prepare_planned)
 _registry.set_inner_tuner(autotune)
 

@@ -216,9 +216,8 @@ class Tuner:
         return self._compiles.background.wait(timeout)
 
     def compile_view(self, key: Hashable, hook: Callable, args: tuple) -> bool:
-        """Whether a view kernel (``key``) is compiled, ``hook(*args)`` compiling it in the background
-        workers where not (queued by the first call): the view kernels' compile gate
-        (:func:`sparseconv.ops.backends.triton_launch.set_compile_gate`)."""
+        """Whether a view kernel (``key``) has compiled in the background workers, ``hook(*args)`` compiling
+        it there (queued by the first call; see :func:`compile_view`)."""
         return self._compiles.background.ready(("view", key), hook, args, ("view", key))
 
     def compiling(self) -> int:
@@ -375,6 +374,18 @@ def _in_background(a: torch.Tensor, deterministic: bool) -> bool:
     """Whether kernels for a product on ``a`` compile in worker processes while the reference runs
     (:meth:`Tuner._compile_later`): on a GPU, unless deterministic, tracing, capturing or switched off."""
     return _on_gpu_eagerly(a) and not deterministic and config.background_compile()
+
+
+def compile_view(tensor: torch.Tensor, key: Hashable, hook: Callable, args: tuple) -> bool:
+    """The view kernels' compile gate (:func:`sparseconv.ops.backends.triton_launch.launch_ready`): where a
+    product's kernels would compile in the background (:func:`_in_background`), a view kernel not compiled
+    yet compiles in the process tuner's workers while torch's ops build the view (a cold process's first
+    batch); elsewhere (the CPU, deterministic mode, a trace or capture, switched off) in the call."""
+    if not _in_background(tensor, config.deterministic()):
+        return True
+    from . import get_tuner  # the process-wide tuner (tune/__init__.py imports this module)
+
+    return get_tuner().compile_view(key, hook, args)
 
 
 def _on_gpu_eagerly(a: torch.Tensor) -> bool:

@@ -38,7 +38,7 @@ def launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], *args, **o
     key = (kernel, args[0].get_device(), *specs, *options.items())
     if key not in _READY and key not in _COMPILED and _gate is not None:
         warm_args = tuple(arg.dtype if isinstance(arg, torch.Tensor) else arg for arg in args)
-        if not _gate(args[0].device, (source[1], key[1:]), warm_kernel, (source, key[1], warm_args, dict(options))):
+        if not _gate(args[0], (source[1], key[1:]), warm_kernel, (source, key[1], warm_args, dict(options))):
             return False
     _launch(kernel, grid, args, options, specs)
     _READY.add(key)
@@ -48,9 +48,9 @@ def launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], *args, **o
 _READY: set[tuple] = set()
 """The launch keys :func:`launch_ready` launched (the interpreter's too, which :data:`_COMPILED` does not hold)."""
 
-CompileGate = Callable[[torch.device, Hashable, Callable, tuple], bool]
-"""gate(device, key, hook, args): whether the kernel ``key`` names is compiled for a launch on ``device``,
-``hook(*args)`` compiling it (in a worker process: picklable) where not; the first call queues it."""
+CompileGate = Callable[[torch.Tensor, Hashable, Callable, tuple], bool]
+"""gate(tensor, key, hook, args): whether the kernel ``key`` names may launch on ``tensor`` (the launch's first
+argument) now, ``hook(*args)`` compiling it (in a worker process: picklable) where not; the first call queues it."""
 
 _gate: CompileGate | None = None
 
