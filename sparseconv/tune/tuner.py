@@ -221,8 +221,8 @@ class Tuner:
         return self._compiles.background.ready(("view", key), hook, args, ("view", key))
 
     def compiling(self) -> int:
-        """How many products ran the reference because their kernels were compiling in the
-        background and have not run their choice since (0: none; see :meth:`wait_for_compiles`)."""
+        """How many products ran the reference (and map views torch's ops) because their kernels were
+        compiling in the background and have not run them since (0: none; see :meth:`wait_for_compiles`)."""
         return self._compiles.background.queued()
 
     def _decide(
