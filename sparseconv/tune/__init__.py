@@ -23,7 +23,8 @@ from .cache import TuneCache
 from .configs import Candidate, Config
 from .decorator import autotune
 from .key import TuneKey, make_key
-from .tuner import Tuner, compile_view
+from .tuner import Tuner
+from .tuner import compile_view as _compile_view
 from .warmup import warmup
 
 
@@ -78,7 +79,7 @@ def _prepare_planned(wanted: list) -> None:
 
 
 _dispatch.set_runner(run)
-_triton_launch.set_compile_gate(compile_view)
+_triton_launch.set_compile_gate(_compile_view)
 _plan.set_call_builder(_prepare_planned)
 _registry.set_inner_tuner(autotune)
 
