@@ -1,5 +1,5 @@
-"""Whole-network benchmark: MinkUNet (and the detection backbone) as users run them, ours beside
-spconv, spconv-triton and naive torch, in one run.
+"""Whole-network benchmark: MinkUNet as users run it, ours beside spconv, spconv-triton and naive torch,
+in one run (the detection backbone, SparseResNetBackbone, is not timed here yet).
 
 Every pass builds a new SparseTensor from the scene's coordinates ("new": the kernel maps are
 built again, as when every batch brings new point clouds), or reuses one ("same": maps cached).
