@@ -10,8 +10,8 @@ trains the benchmark MinkUNet (scripts/bench_network.py) on new coordinates ever
                     is within 25% of the steady step
   steps in Ns       training steps done within the first --seconds
   steady step       median of the last five steps, milliseconds
-  compiles left     ours: products whose kernels were queued for a background compile and
-                    that have not run their choice yet, after the first step
+  compiles left     ours: products (and map views) whose kernels were queued for a background
+                    compile and that have not run them yet, after the first step
   free GB           the GPU's free memory after the last step (background compile workers
                     must not hold GPU memory)
   settled step ms   after those steps, once the background compiles are done (ours) and three
