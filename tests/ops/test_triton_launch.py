@@ -226,7 +226,7 @@ def test_a_real_launch_hook_sees_the_direct_launches():
 
 
 class Kernels:
-    """A stand-in for a module's kernels: ``source = (kernels_of, "scale")``."""
+    """A stand-in for a module's kernels: ``source = (kernels_of, "kernel")``."""
 
     kernel = Kernel()
 
@@ -240,7 +240,7 @@ def gate(monkeypatch, direct):
     """A compile gate that says "not compiled" to each kernel's first ask, then "compiled"; it records its asks."""
     asks = []
 
-    def ask(device, key, hook, args):
+    def ask(tensor, key, hook, args):
         asks.append((key, hook, args))
         return sum(1 for k, _, _ in asks if k == key) > 1
 
