@@ -23,7 +23,7 @@ from .cuda_launch import current_stream
 
 def launch(kernel, grid: tuple[int, ...], *args, **options):
     """``kernel[grid](*args, **options)``, with ~10 µs less host time a launch once compiled."""
-    _launch(kernel, grid, args, options, tuple(map(_specialisation, args)))
+    _launch(kernel, grid, args, options, _key(kernel, args, options, tuple(map(_specialisation, args))))
 
 
 def launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], *args, **options) -> bool:
@@ -34,13 +34,12 @@ def launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], *args, **o
     cold process's first MinkUNet inference compiled eight, 3.0 s of its 10 s). ``source``: the module
     function returning the kernels and the kernel's name (what a worker process looks it up by)."""
     kernel = getattr(source[0](), source[1])
-    specs = tuple(map(_specialisation, args))
-    key = (kernel, args[0].get_device(), *specs, *options.items())
+    key = _key(kernel, args, options, tuple(map(_specialisation, args)))
     if key not in _READY and key not in _COMPILED and _gate is not None:
         warm_args = tuple(arg.dtype if isinstance(arg, torch.Tensor) else arg for arg in args)
         if not _gate(args[0], (source[1], key[1:]), warm_kernel, (source, key[1], warm_args, dict(options))):
             return False
-    _launch(kernel, grid, args, options, specs)
+    _launch(kernel, grid, args, options, key)
     _READY.add(key)
     return True
 
@@ -68,11 +67,15 @@ def warm_kernel(source: tuple[Callable, str], index: int, args: tuple, options: 
     warm(getattr(source[0](), source[1]), torch.device("cuda", index), *args, **options)
 
 
-def _launch(kernel, grid: tuple[int, ...], args: Sequence, options: Mapping, specs: tuple) -> tuple | None:
-    """:func:`launch` given the arguments' specialisations; returns (compiled kernel, names of the
-    parameters given as options) where direct launches apply, else None."""
+def _key(kernel, args: Sequence, options: Mapping, specs: tuple) -> tuple:
+    """A launch's key (:data:`_COMPILED`), given its arguments' specialisations."""
     # The first argument's device, as a device index is cheaper to read there than current_device().
-    key = (kernel, args[0].get_device(), *specs, *options.items())
+    return (kernel, args[0].get_device(), *specs, *options.items())
+
+
+def _launch(kernel, grid: tuple[int, ...], args: Sequence, options: Mapping, key: tuple) -> tuple | None:
+    """:func:`launch` given its key (:func:`_key`); returns (compiled kernel, names of the parameters
+    given as options) where direct launches apply, else None."""
     held = _COMPILED.get(key)
     if held is None:
         compiled = kernel[grid](*args, **options)
@@ -168,7 +171,8 @@ class Bound:
         specs = self._specs.copy()
         for at, tensor in zip(self.varying, tensors):
             specs[at] = _specialisation(tensor)
-        held = _launch(self.kernel, self.grid, args, self.options, tuple(specs))
+        key = _key(self.kernel, args, self.options, tuple(specs))
+        held = _launch(self.kernel, self.grid, args, self.options, key)
         if held is not None:
             compiled, trailing = held
             # (the compiled kernel, the options it takes after the arguments): no closure per bound launch
