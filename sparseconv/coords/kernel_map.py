@@ -230,6 +230,27 @@ class KernelMap:
         if releasable:
             self.__dict__.setdefault("_releasable", []).append(key)
 
+    lone = False
+    """This map serves one product a batch, built alone: the last two batches asked for this map and no other,
+    and made one product on it (a lone layer's inference). Set by the map plan (:mod:`.plan`); the tuner
+    then times candidates with the views they build (:meth:`unviewed`), which no other product shares."""
+    uses: list[int] | None = None
+    """The map plan's count of the products made on this map (a cell its record keeps, see :attr:`lone`)."""
+
+    def unviewed(self) -> KernelMap:
+        """This map as a new batch's build leaves it: its table, sizes, flags and pair counts, none of the
+        views or products built on it since (the tuner times a :attr:`lone` map's candidates on these)."""
+        if self.transpose_of is not None:
+            return self.transpose_of.unviewed().transposed()
+        copy = KernelMap.__new__(KernelMap)
+        copy.neighbors = self.neighbors
+        copy._describe(self.num_in, self.num_out, self.kernel_size, self.identity_offset)
+        copy.each_input_once, copy.each_output_once, copy.lone = self.each_input_once, self.each_output_once, self.lone
+        for name in ("offset_counts", "pair_counts", "num_pairs"):
+            if name in self.__dict__:
+                copy.__dict__[name] = self.__dict__[name]
+        return copy
+
     forward_count: list[int] | None = None
     """The map plan's count of the forward products a training pass makes on this map (a cell the
     plan's record keeps: the next batch's map expects as many, see :attr:`forward_left`)."""

@@ -82,6 +82,11 @@ class Record:
         """Per (map, its adjoint?), the forward products of training passes on it (:attr:`KernelMap.forward_count`)."""
         self.expected: dict[tuple[MapSpec, bool], int] = {}
         """What the latest training pass counted (:data:`_trained`): each new map's :attr:`KernelMap.forward_left`."""
+        self.uses: dict[MapSpec, list[int]] = {}
+        """Per map, the products made on it and on its adjoint (:attr:`KernelMap.uses`)."""
+        self.lone: MapSpec | None = None
+        """The map of a lone layer (:attr:`KernelMap.lone`): the one map each of the last two batches
+        asked for, each making one product on it."""
         self.keep_tables: set[Triple] = set()
         """Strides whose hash tables a query after the plan needed (here or in the last batches): the
         cache keeps them when it drops the others (:meth:`CoordinateCache._drop_tables`)."""
@@ -95,10 +100,13 @@ class Record:
             kernel_map.on_view = _recorder(self.views.setdefault(spec, {}))
             kernel_map.on_call = self._calls_of(kernel_map, (spec, False)).setdefault
             kernel_map.plan_spec = spec
+            kernel_map.uses = self.uses.setdefault(spec, [0])
+            kernel_map.lone = spec == self.lone
             self._count(kernel_map, (spec, False))
             _replay(kernel_map)
         source = kernel_map.transpose_of
         if spec is None and source is not None and source.plan_spec in self.views:
+            kernel_map.uses = self.uses.setdefault(source.plan_spec, [0])  # its products are its source's
             kernel_map.on_view = _recorder(self.adjoint_views.setdefault(source.plan_spec, {}))
             kernel_map.on_call = self._calls_of(kernel_map, (source.plan_spec, True)).setdefault
             self._count(kernel_map, (source.plan_spec, True))
@@ -192,6 +200,9 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
                 _trained[signature] = counts
             record.keep_tables |= earlier_record.keep_tables
         record.expected = _trained.get(signature, {})
+    lone = len(plan) == 1 and len(earlier) == HISTORY
+    if lone and all(r.specs == plan and r.uses[plan[0]] == [1] for r in earlier):
+        record.lone = plan[0]
     fresh = cache.set_count() == 1 and first.canonical and first.coords.shape[0] > 0
     # A plan of one map batches nothing, and the layer's own build of it takes fewer host steps (a lone
     # conv on new coordinates: 0.07-0.2 ms less for a submanifold map, 0.35-0.41 ms for a strided one,

@@ -61,6 +61,9 @@ def dispatch(
 ) -> torch.Tensor:
     """Run product ``namespace`` of ``problem`` with the algorithm the pin or the tuner picks."""
     runner = _runner if _runner is not None else _load_runner()
+    uses = kernel_map.uses
+    if uses is not None:  # the map plan counts a map's products (KernelMap.lone)
+        uses[0] += 1
     return runner(namespace, problem, algo, a, b, kernel_map, record)
 
 

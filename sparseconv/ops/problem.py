@@ -30,11 +30,13 @@ class ConvProblem:
     generative: bool
     dtype: torch.dtype
     device: torch.device
+    lone: bool = False
+    """The map serves this product alone in a batch (:attr:`KernelMap.lone`): views built for it are its cost."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.num_in, self.num_out, self.in_channels, self.out_channels,
                                                 self.kernel_size, self.stride, self.dilation, self.transposed,
-                                                self.generative, self.dtype, self.device)))
+                                                self.generative, self.dtype, self.device, self.lone)))
 
     def __hash__(self) -> int:
         # Hashed once: the tuner's lookups of every conv call key on the problem (~2 µs a hash of the fields).
@@ -67,4 +69,4 @@ def layer_problem(kernel_map: KernelMap, layer: tuple) -> ConvProblem:
     dilation, transposed, generative, dtype, device) on ``kernel_map``, kept with the map: one object per
     (map, layer), so the eager and compiled calls of the layer, the tuner's memo keyed on it and the
     products the tuner prepares ahead for a new batch's map share it."""
-    return kernel_map.derived(("conv_problem", *layer), lambda m: ConvProblem(m.num_in, m.num_out, *layer))
+    return kernel_map.derived(("conv_problem", *layer), lambda m: ConvProblem(m.num_in, m.num_out, *layer, m.lone))

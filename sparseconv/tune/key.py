@@ -84,13 +84,14 @@ class TuneKey:
     device: str
     version: int = TUNER_VERSION
     deterministic: bool = False  # deterministic mode's pool: its own timings, winner and agreement
+    lone: bool = False  # a map serving one product (ConvProblem.lone): timed with the views each candidate builds
 
     def encode(self) -> str:
         """Stable, human-readable string (the cache file's key)."""
         return (
             f"v{self.version}|n{self.num_in}>{self.num_out}|d{self.density}|c{self.in_channels}>{self.out_channels}"
             f"|k{self.kernel_volume}|{self.geometry}|{self.dtype}|{self.device}"
-        ) + ("|det" if self.deterministic else "")
+        ) + ("|det" if self.deterministic else "") + ("|lone" if self.lone else "")
 
 
 def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap, deterministic: bool = False) -> TuneKey:
@@ -102,7 +103,7 @@ def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap, determ
         num_in, num_out, c_in, c_out = num_out, num_in, c_out, c_in
     return _key(namespace, size_bucket(num_in), size_bucket(num_out), _density(kernel_map), c_in, c_out,
                 problem.kernel_volume, problem.stride, problem.transposed, problem.generative, problem.dtype,
-                device_identity(problem.device), deterministic)
+                device_identity(problem.device), deterministic, problem.lone)
 
 
 def _density(kernel_map: KernelMap) -> int:
@@ -118,7 +119,7 @@ def _density(kernel_map: KernelMap) -> int:
 @functools.lru_cache(maxsize=4096)
 def _key(namespace: str, num_in: int, num_out: int, density: int, c_in: int, c_out: int, kernel_volume: int,
          stride: tuple[int, int, int], transposed: bool, generative: bool, dtype: torch.dtype, device: str,
-         deterministic: bool) -> TuneKey:
+         deterministic: bool, lone: bool) -> TuneKey:
     """One TuneKey object per distinct key: every batch's new maps (a key each per layer and
     product) share it instead of building and hashing a new one (~14 µs a key on an H100 host)."""
     geometry = ("t" if transposed else "s") + "x".join(map(str, stride)) + ("g" if generative else "")
@@ -134,4 +135,5 @@ def _key(namespace: str, num_in: int, num_out: int, density: int, c_in: int, c_o
         dtype=str(dtype).removeprefix("torch."),
         device=device,
         deterministic=deterministic,
+        lone=lone,
     )

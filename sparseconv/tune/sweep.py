@@ -62,7 +62,7 @@ def sweep(
         params = candidate.params_dict
 
         def call(backend=backend, params=params):
-            return backend.run(namespace, problem, params, a, b, kernel_map)
+            return backend.run(namespace, problem, params, a, b, as_run(kernel_map, problem))
 
         record = {"backend": candidate.backend, "params": list(map(list, candidate.params)),
                   "version": backend.version, "ms": None, "samples": 0}
@@ -108,11 +108,19 @@ def sweep(
             store(results)
     return results
 
+def as_run(kernel_map, problem: ConvProblem):
+    """The map a timed call runs on: for a lone map's product (:attr:`ConvProblem.lone`), the map without
+    its views (:meth:`~sparseconv.coords.kernel_map.KernelMap.unviewed`), so that each call builds the views
+    its candidate needs, as each new batch's map will for this product alone; else the map itself, whose
+    views its other products share (and a new batch's map plan builds ahead)."""
+    return kernel_map.unviewed() if problem.lone else kernel_map
+
+
 def retime(namespace, problem, candidates: list[Candidate], timings: dict, a, b, kernel_map) -> None:
     """Time close finishers again, interleaved, and update their ``timings`` in place."""
     calls = [
         (lambda backend=registry.get(c.backend), params=c.params_dict:
-         backend.run(namespace, problem, params, a, b, kernel_map))
+         backend.run(namespace, problem, params, a, b, as_run(kernel_map, problem)))
         for c in candidates
     ]
     for candidate, (ms, samples) in zip(candidates, Timer(a.device).interleaved(calls)):

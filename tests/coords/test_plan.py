@@ -305,3 +305,33 @@ def test_host_copies_take_a_kept_pinned_slot_again_only_once_its_copy_is_done():
     del pending
     other = kernel_map_module.HostCopy(values + 3)
     assert other._host.data_ptr() != busy and other.values() == (values + 3).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_alone(device):
+    # Lone: the last two batches asked for this map and no other, and made one product on it each
+    # (the tuner then times its candidates with the views they build); two products, or a network's
+    # maps, are not.
+    from sparseconv.nn import SparseConv3d
+
+    conv = SparseConv3d(2, 3, 3).to(device)
+
+    def seen(seed: int, products: int = 1):
+        x = batch(device, seed)
+        with torch.no_grad():
+            for _ in range(products):
+                conv(x)
+        kernel_map = x.cache.kernel_maps()[0]
+        assert kernel_map.uses == [products]
+        problems = [view for key, view in kernel_map._derived.items() if key[0] == "conv_problem"]
+        assert [problem.lone for problem in problems] == [kernel_map.lone]  # what the tuner reads
+        return kernel_map.lone
+
+    requests(batch(device, 0))  # a network's batch
+    assert [seen(seed) for seed in (1, 2, 3, 4)] == [False, False, True, True]
+    assert [seen(seed, 2) for seed in (5, 6, 7)] == [True, False, False]
+    assert [seen(seed) for seed in (8, 9, 10)] == [False, False, True]
+    requests(batch(device, 11))  # a network again (its first map was taken for the lone layer's: no harm)
+    x = batch(device, 12)
+    requests(x)
+    assert not any(kernel_map.lone for kernel_map in x.cache.kernel_maps())

@@ -104,11 +104,13 @@ def _check_tile(name: str, params: dict, second_mode: str, device) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("params", mask_triton.SPACE,
-                         ids=lambda p: "m{block_m}n{block_n}k{block_k}w{num_warps}s{num_stages}-sort{sort}-splits{splits}".format(**p))
+                         ids=lambda p: "m{block_m}n{block_n}k{block_k}w{num_warps}s{num_stages}-sort{sort}-splits{splits}".format(**p)
+                         + ("" if mask_triton.planned(p) else "-table"))
 def test_every_mask_tile_matches_explicit_gemm(params, device, poisoned_outputs):
     """Each tile of the space walks its tiles' active-offset lists correctly, in one offset group
-    or several (the later ones adding), tails included (96 reduce channels are not a multiple of
-    BLOCK_K = 64, 40 outputs not of BLOCK_N)."""
+    or several (the later ones adding), or the table's rows and the offsets it finds in them (``plan``
+    False), tails included (96 reduce channels are not a multiple of BLOCK_K = 64, 40 outputs not of
+    BLOCK_N)."""
     if device == "cpu" and mask_triton.SPACE.index(params) % 5:
         pytest.skip("the interpreter runs every fifth set (both sorts, 1-3 groups, BLOCK_K 32 and 64); the GPU all")
     _check_tile("mask_implicit_gemm", params, "transposed_k3_s2", device)
@@ -350,7 +352,8 @@ def test_submanifold_dgrad_runs_over_the_forward_plan_with_mirrored_weights(devi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", [m for m in CASES if m.name in ("submanifold_k3", "transposed_k3_s2")], ids=str)
-def test_a_new_map_binds_its_views_into_the_first_maps_launches(device, mode, monkeypatch, poisoned_outputs):
+@pytest.mark.parametrize("table", [False, True], ids=["views", "table"])
+def test_a_new_map_binds_its_views_into_the_first_maps_launches(device, mode, table, monkeypatch, poisoned_outputs):
     # A new batch's map (other coordinates, sizes and views) makes no launches of its own for a
     # product made on an earlier map under the same recipe: it binds its views into that product's
     # template, which holds no tensors; forward, dgrad (own table or mirrored) and wgrad equal the
@@ -361,7 +364,8 @@ def test_a_new_map_binds_its_views_into_the_first_maps_launches(device, mode, mo
     for module in (mask_triton, implicit_triton):
         monkeypatch.setattr(module, "Bound", lambda *args, _made=made, **kw: _made.append(args[0]) or Bound(*args, **kw))
     c_in, c_out, dtype = 6, 9, torch.float32
-    rows = {"params": {**mask_triton._params(0, True, 3), "block_m": 16 if device == "cpu" else 64},
+    rows = {"params": {**(mask_triton._table_params(0) if table else mask_triton._params(0, True, 3)),
+                       "block_m": 16 if device == "cpu" else 64},
             "wgrad": implicit_triton._wgrad_params(0, 4)}
     for batch, n in enumerate((60, 45, 70) if device == "cpu" else (4000, 3000, 5000)):
         x, kernel_map = _input_and_map(mode, c_in, device, dtype, n=n, extent=6 if device == "cpu" else 30)

@@ -325,3 +325,29 @@ def test_a_settled_choice_runs_its_prepared_call_until_the_settings_or_backend_c
     with registered(_prepared(calls, fail)):  # another backend object under the name
         forward("fake_prepared")
         assert (calls.of("run"), calls.of("prepare"), calls.of("prepared")) == (1, 4, 9)
+
+
+def test_a_lone_maps_candidates_are_timed_building_their_views_on_each_call():
+    # A map serving one product a batch (KernelMap.lone) builds its views for that product alone:
+    # the sweep times each candidate on the map without its views, as a new batch's map is, so a
+    # candidate needing costly views pays for them; other maps are timed with their views kept.
+    seen = []
+
+    def run(namespace, problem, params, a, b, kernel_map):
+        seen.append((problem.lone, ("fake_view",) in kernel_map._derived))
+        kernel_map.derived(("fake_view",), lambda m: None)
+        return explicit.run(namespace, problem, params, a, b, kernel_map)
+
+    backend = Backend("fake_views", frozenset({"AB_gather_scatter"}), run, params_space=({"v": 0}, {"v": 1}))
+    weight = torch.randn(27, 4, 5)
+    with registered(backend), torch.no_grad():
+        for seed in range(3):
+            torch.manual_seed(seed)
+            x = make_input(SUBMANIFOLD, 4, "cpu", dtype=torch.float32, n=300)
+            seen.clear()
+            sparse_conv3d(x, weight, fwd_algo=["fake_views"])
+            lone, timed = seen[0][0], seen[1:]
+            if seed == 0:  # the first batch (no history), tuned with the views kept between timed calls
+                assert not lone and any(kept for _, kept in timed)
+    assert lone and len(timed) > 4 and not any(kept for _, kept in timed)
+    assert any(key.endswith("|lone") for _, key, _ in entries("AB_gather_scatter"))

@@ -55,7 +55,17 @@ def _rows_product(kernel_map: KernelMap, params: Mapping, reduce_dim: int, out_d
         recipe = (*recipe, mirrored, table.shape[1], table.device)
     template = _TEMPLATES.get(recipe) if recipe else None
     launches = []
-    if num_rows and out_dim:
+    if num_rows and out_dim and not planned(params):
+        # No views: the tiles are the table's own rows, their offsets found by the kernel.
+        grid = (tk.cdiv(num_rows, bm) * tk.cdiv(out_dim, bn),)
+        table = table.contiguous()
+        if template is not None:
+            launches.append(template.launches[0].bind(grid, {2: table, 4: num_rows}))
+        else:
+            args, options = _table_launch(params, dtype, (None, None, table, None), num_rows, reduce_dim, out_dim,
+                                          table.shape[1], strides)
+            launches.append(Bound(kernels.table_gemm, grid, args, options, varying=(0, 1, 3)))
+    elif num_rows and out_dim:
         for step, group in enumerate(groups):
             rows = sorted_rows(kernel_map, True, sort, group, groups)
             _, offsets, counts, slots = tile_plan(kernel_map, True, sort, bm, group)
@@ -69,7 +79,8 @@ def _rows_product(kernel_map: KernelMap, params: Mapping, reduce_dim: int, out_d
             launches.append(Bound(kernels.rows_gemm, grid, args, options, varying=(0, 1, 6)))
     last = table.shape[1] - 1 if mirrored else None
     if recipe and template is None and launches:
-        _TEMPLATES[recipe] = _RowsProduct(0, out_dim, tuple(launch.template(_VIEWS) for launch in launches), last)
+        views = _VIEWS if planned(params) else _TABLE
+        _TEMPLATES[recipe] = _RowsProduct(0, out_dim, tuple(launch.template(views) for launch in launches), last)
     return _RowsProduct(num_rows, out_dim, tuple(launches), last)
 
 
@@ -79,6 +90,14 @@ map's views: a network makes a few dozen, one per (layer shape, product, paramet
 
 _VIEWS = (2, 3, 4, 5)
 """The positions of the map's views (slots, rows, offsets, counts) in rows_gemm's arguments."""
+_TABLE = (2,)
+"""The position of the map's table in table_gemm's arguments."""
+
+
+def planned(params: Mapping) -> bool:
+    """Whether a parameter set runs over the map's views (a row order and tile plans: ``rows_gemm``),
+    rather than over its table alone (``plan=False``: ``table_gemm``, sorting nothing)."""
+    return bool(params.get("plan", True))
 
 
 class _RowsProduct:
@@ -111,6 +130,14 @@ def _rows_launch(params: Mapping, dtype: torch.dtype, step: int, tensors: tuple,
     return (*tensors, num_rows, reduce_dim, out_dim, list_len, *strides), options
 
 
+def _table_launch(params: Mapping, dtype: torch.dtype, tensors: tuple, num_rows: int, reduce_dim: int, out_dim: int,
+                  width: int, strides: tuple) -> tuple[tuple, dict]:
+    """table_gemm's arguments and options (one place for :func:`_rows_product` and :func:`precompile`)."""
+    options = dict(BLOCK_M=int(params["block_m"]), BLOCK_N=int(params["block_n"]), BLOCK_K=int(params["block_k"]),
+                   WIDTH=mask_views.block_width(width), PRECISION=tk.precision(dtype), **tk.launch_options(params))
+    return (*tensors, num_rows, reduce_dim, out_dim, width, *strides), options
+
+
 def _product(namespace: str, c_in: int, c_out: int) -> tuple[bool, int, int, tuple[int, int, int]]:
     """(forward, reduce dim, out dim, W strides) of ``namespace``: dgrad reads W_k^T through strides."""
     if namespace == "AB_gather_scatter":
@@ -128,6 +155,11 @@ def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map
     num_rows = kernel_map.num_out if forward else kernel_map.num_in
     volume = kernel_map.kernel_volume  # both neighbour tables are (rows, K) with row stride K
     if num_rows == 0 or out_dim == 0:
+        return
+    if not planned(params):
+        args, options = _table_launch(params, dtype, (dtype, dtype, i32, dtype), num_rows, reduce_dim, out_dim,
+                                      volume, strides)
+        warm(kernels.table_gemm, problem.device, *args, **options)
         return
     bm, sort = int(params["block_m"]), bool(params.get("sort", True))
     groups = offset_groups(volume, int(params.get("splits", 1)))
@@ -195,9 +227,15 @@ def _params(tile: int, sort: bool = True, splits: int = 1) -> dict:
             "splits": splits}
 
 
-# Every tile sorted and unsorted in one pass, then sorted in 2 and 3 offset groups.
+def _table_params(tile: int) -> dict:
+    """A tile over the table alone (:func:`planned` False): no row order, one group."""
+    return {**_params(tile, False), "plan": False}
+
+
+# Every tile sorted and unsorted in one pass, then sorted in 2 and 3 offset groups, then over the table alone.
 SPACE = tuple([_params(t, s) for t in range(len(TILES)) for s in (True, False)]
-              + [_params(t, True, g) for t in range(len(TILES)) for g in (2, 3)])
+              + [_params(t, True, g) for t in range(len(TILES)) for g in (2, 3)]
+              + [_table_params(t) for t in range(len(TILES))])
 
 
 # The adaptive pool, by the widest channel count: (tiles in one group, tiles in 2 groups, in 3).
@@ -216,6 +254,10 @@ def pool(problem: ConvProblem, level: str) -> list[Mapping]:
     widest = max(problem.in_channels, problem.out_channels)
     single, two, three = POOL_TILES[256 if widest > 128 else 128 if widest > 64 else 64]
     auto = [_params(t) for t in single]
+    if problem.lone:
+        # A map serving one product builds its views for that product alone: the tiles over its table
+        # need none (the tuner times a lone map's candidates with their views' build, tune/sweep.py).
+        auto += [_table_params(t) for t in single]
     if problem.kernel_volume > 8:
         # Sorted by one 27-bit mask, a 64-row tile of a street scene visits offsets that only 65%
         # of its rows have; sorted per group of 9-14 offsets, 92-98% (street4; the measuring

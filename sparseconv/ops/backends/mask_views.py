@@ -142,7 +142,7 @@ def _masks_launch(table, counts, keys, rows: int, row_stride: int, stride: int,
     bounds = [lo for lo, _ in groups] + [groups[-1][1]]
     bounds += [bounds[-1]] * (4 - len(bounds))
     return ((table, counts, keys, rows, row_stride, stride, *bounds),
-            dict(BLOCK=MASK_ROWS, WIDTH=_width(max(hi - lo for lo, hi in groups)), BITS=_bits(groups)))
+            dict(BLOCK=MASK_ROWS, WIDTH=block_width(max(hi - lo for lo, hi in groups)), BITS=_bits(groups)))
 
 
 PLANNED_SHIFT = 40
@@ -150,7 +150,7 @@ PLANNED_SHIFT = 40
 every mask it orders (groups at most this wide; wider ones are left to the layers)."""
 
 
-def _width(width: int) -> int:
+def block_width(width: int) -> int:
     """The kernels' block width for ``width`` offsets: the power of two tl.arange needs (at least 16)."""
     # (not triton.next_power_of_2: a constexpr function in recent Triton, ~4 us a call on the host)
     return max(16, 1 << max(width - 1, 0).bit_length())
@@ -166,7 +166,7 @@ def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch
         return None
     rows, volume = table.shape
     device = table.device
-    width, block = _width(volume), _pair_block(volume)
+    width, block = block_width(volume), _pair_block(volume)
     blocks = max(1, tk.cdiv(rows, block))
     total = kernel_map.num_pairs
     # One allocation for the lists, the offsets' starts and the blocks' counts (int32), each part 16-byte
@@ -191,7 +191,7 @@ def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def _pair_block(volume: int) -> int:
     """Rows a pair-list program takes: about 4096 table entries."""
-    return max(16, 4096 // _width(volume))
+    return max(16, 4096 // block_width(volume))
 
 
 def _pair_lists_on_gpu(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -349,13 +349,13 @@ def _plan_launch(table, rows, used, offsets, counts, slots, num_rows: int, row_s
                  block_m: int) -> tuple[tuple, dict]:
     """tile_plan's arguments and options (one place for :func:`tile_plan` and :func:`precompile`)."""
     return ((table, rows, used, offsets, counts, slots, num_rows, row_stride, lo, width),
-            dict(BLOCK_M=block_m, WIDTH=_width(width)))
+            dict(BLOCK_M=block_m, WIDTH=block_width(width)))
 
 
 def precompile_pairs(device: torch.device, volume: int) -> None:
     """Compile :func:`pair_lists`' kernels for a (rows, ``volume``) table without running them."""
     kernels, i32, i64 = tk.kernels(), torch.int32, torch.int64
-    options = dict(BLOCK=_pair_block(volume), WIDTH=_width(volume))
+    options = dict(BLOCK=_pair_block(volume), WIDTH=block_width(volume))
     warm(kernels.pair_blocks, device, i32, i32, 2, volume, 2, **options)
     warm(kernels.pair_lists, device, i32, i32, i64, i64, i64, 2, volume, 2, **options)
 
@@ -372,15 +372,15 @@ def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequenc
             warm(kernels.row_masks, device, *args, **options)
         # the same orders built by the map plan, for all maps at once (the widest group sets WIDTH:
         # this one's, or a whole table's)
-        for width in {_width(hi - lo) for lo, hi in groups if hi - lo <= PLANNED_SHIFT} | {_width(volume)}:
+        for width in {block_width(hi - lo) for lo, hi in groups if hi - lo <= PLANNED_SHIFT} | {block_width(volume)}:
             warm(kernels.row_masks_many, device, i64, i64, 2, BLOCK=MASK_ROWS, WIDTH=width, SHIFT=PLANNED_SHIFT)
         warm(kernels.orders_from_positions, device, i64, i64, 2, BLOCK=MASK_ROWS)
     # the map plan's pair counts (its widest table sets the block: this one's, a submanifold 3^3)
-    warm(kernels.pair_counts_many, device, i64, i64, 2, BLOCK=_pair_block(volume), WIDTH=_width(volume))
-    warm(kernels.pair_counts, device, i32, i64, 2, volume, BLOCK=_pair_block(volume), WIDTH=_width(volume))
+    warm(kernels.pair_counts_many, device, i64, i64, 2, BLOCK=_pair_block(volume), WIDTH=block_width(volume))
+    warm(kernels.pair_counts, device, i32, i64, 2, volume, BLOCK=_pair_block(volume), WIDTH=block_width(volume))
     for lo, hi in groups:
         width = hi - lo  # the row order below: int64 sort indices
         args, options = _plan_launch(i32, i64, i32, i32, i32, i32, num_rows, volume, lo, width, block_m)
         warm(kernels.tile_plan, device, *args, **options)
         # the same plans built by the map plan, with others of this tile height (the widest sets WIDTH)
-        warm(kernels.tile_plans, device, i64, 2, BLOCK_M=block_m, WIDTH=_width(width))
+        warm(kernels.tile_plans, device, i64, 2, BLOCK_M=block_m, WIDTH=block_width(width))

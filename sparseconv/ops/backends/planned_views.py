@@ -17,8 +17,8 @@ from ...coords import plan
 from ...coords.kernel_map import KernelMap, set_pair_counter
 from . import triton_kernels as tk
 from .mask_views import (
-    MASK_ROWS, PLAN_VIEW, PLANNED_SHIFT, ROWS_VIEW, _pair_block, _plan_layout, _plan_views, _rows_key, _width, fused,
-    launch_tile_plan, product_table, sorted_rows,
+    MASK_ROWS, PLAN_VIEW, PLANNED_SHIFT, ROWS_VIEW, _pair_block, _plan_layout, _plan_views, _rows_key, block_width,
+    fused, launch_tile_plan, product_table, sorted_rows,
 )
 from .triton_launch import launch, launch_ready
 
@@ -58,7 +58,7 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
     kernels = tk.kernels()
     meta_tensor = torch.tensor(meta, dtype=torch.int64).to(device, non_blocking=True)
     launch(kernels.row_masks_many, (first,), meta_tensor, keys, len(parts), BLOCK=MASK_ROWS,
-              WIDTH=_width(max(key[3] - key[2] for _, key in parts)), SHIFT=PLANNED_SHIFT)
+              WIDTH=block_width(max(key[3] - key[2] for _, key in parts)), SHIFT=PLANNED_SHIFT)
     order = torch.sort(keys, stable=True).indices
     # Positions -> rows in one launch on the same meta table (torch's repeat_interleave of the starts
     # wrote each part from one thread: 112-278 µs of GPU time a pass, H200, street1 to street4).
@@ -120,7 +120,7 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
         # The kernel reads the tables and orders and writes the plans by address: the maps hold them
         # (and the allocator reuses them only after this launch, in stream order).
         launch(kernels.tile_plans, (first,), meta_tensor, len(group), BLOCK_M=block_m,
-               WIDTH=_width(max(width for *_, width in group)))
+               WIDTH=block_width(max(width for *_, width in group)))
 
 
 plan.add_view_builder(build_planned_tile_plans, (PLAN_VIEW,))  # after build_planned_orders: it reads their orders
@@ -200,7 +200,7 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
         (rows, width), = (t.shape for t in tables)
         out = torch.zeros(width, dtype=torch.int64, device=tables[0].device)
         if rows and not launch_ready((tk.kernels, "pair_counts"), (-(-rows // block),), tables[0], out, rows, width,
-                                     BLOCK=block, WIDTH=_width(width)):
+                                     BLOCK=block, WIDTH=block_width(width)):
             return None
         return out, [0]
     meta, first, starts = [], 0, [0]
@@ -212,7 +212,7 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
     out = torch.zeros(starts[-1], dtype=torch.int64, device=tables[0].device)
     meta_tensor = torch.tensor(meta, dtype=torch.int64).to(out.device, non_blocking=True)
     if not launch_ready((tk.kernels, "pair_counts_many"), (first,), meta_tensor, out, len(tables), BLOCK=block,
-                        WIDTH=_width(widest)):
+                        WIDTH=block_width(widest)):
         return None
     return out, starts[:-1]
 

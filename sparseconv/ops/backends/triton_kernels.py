@@ -103,6 +103,49 @@ def _define() -> SimpleNamespace:
         else:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
+    # rows_gemm without views: a tile is BLOCK_M consecutive rows of the neighbour table, and the
+    # offsets it visits are found from the table itself (a map serving one product: no row order,
+    # no tile plan to build first). One offset group, every row stored.
+    @triton.jit(do_not_specialize=["n_rows"])
+    def table_gemm(
+        a_ptr, w_ptr, table_ptr, out_ptr,
+        n_rows, reduce_dim, out_dim, width,
+        stride_wk, stride_wr, stride_wo,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        tiles_n = tl.cdiv(out_dim, BLOCK_N)
+        pid_m = tl.program_id(0) // tiles_n
+        pid_n = tl.program_id(0) % tiles_n
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < out_dim
+        entries = table_ptr + rows.to(tl.int64) * width  # each row's table entries (row stride = width)
+        # The offsets some row of the tile has, and each one's place in the tile's list of them.
+        j = tl.arange(0, WIDTH)
+        tile = tl.load(entries[:, None] + j[None, :], mask=row_ok[:, None] & (j < width)[None, :], other=-1)
+        used = (tl.max(tile, axis=0) >= 0).to(tl.int32)
+        place = tl.where(used > 0, tl.cumsum(used, axis=0) - 1, -1)
+        k_tiles = tl.cdiv(reduce_dim, BLOCK_K)
+        steps = tl.sum(used, axis=0) * k_tiles
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for t in range(0, steps):
+            s = t // k_tiles
+            k = tl.sum(tl.where(place == s, j, 0), axis=0)  # the tile's s-th used offset
+            ck = (t - s * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
+            ck_ok = ck < reduce_dim
+            idx = tl.load(entries + k, mask=row_ok, other=-1)  # in L1 since the tile's load
+            src = idx.to(tl.int64) * reduce_dim
+            a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=(idx >= 0)[:, None] & ck_ok[None, :], other=0.0)
+            w = tl.load(
+                w_ptr + k * stride_wk + ck[:, None] * stride_wr + cols[None, :] * stride_wo,
+                mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
+            )
+            acc += tl.dot(a, w, input_precision=PRECISION)
+        out = out_ptr + rows.to(tl.int64)[:, None] * out_dim + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
     @triton.jit
     def pairs_gemm(
         a_ptr, w_ptr, gather_ptr, scatter_ptr, offset_ptr, out_ptr,
@@ -388,8 +431,8 @@ def _define() -> SimpleNamespace:
         tl.store(in_ptr + at, source.to(tl.int64), mask=present > 0)
         tl.store(out_ptr + at, (i[:, None] + k[None, :] * 0).to(tl.int64), mask=present > 0)
 
-    return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, pairs_gemm=pairs_gemm, pairs_wgrad=pairs_wgrad,
-                           row_masks=row_masks, tile_plan=tile_plan, tile_plans=tile_plans,
+    return SimpleNamespace(triton=triton, rows_gemm=rows_gemm, table_gemm=table_gemm, pairs_gemm=pairs_gemm,
+                           pairs_wgrad=pairs_wgrad, row_masks=row_masks, tile_plan=tile_plan, tile_plans=tile_plans,
                            orders_from_positions=orders_from_positions,
                            pair_blocks=pair_blocks, pair_lists=pair_lists, row_masks_many=row_masks_many,
                            pair_counts=pair_counts, pair_counts_many=pair_counts_many)
