@@ -227,15 +227,22 @@ def _params(tile: int, sort: bool = True, splits: int = 1) -> dict:
             "splits": splits}
 
 
+TABLE_TILES = [(16, 32, 32, 2, 2), (32, 32, 32, 2, 2), (32, 64, 32, 4, 2), (64, 32, 32, 4, 2), (64, 64, 32, 4, 3)]
+"""Tiles over the table alone: short ones, as a tile of rows in the table's order visits the offsets any
+of its rows has (no sort groups rows of equal masks), fewer the fewer rows it holds."""
+
+
 def _table_params(tile: int) -> dict:
-    """A tile over the table alone (:func:`planned` False): no row order, one group."""
-    return {**_params(tile, False), "plan": False}
+    """A tile of :data:`TABLE_TILES` over the table alone (:func:`planned` False): no row order, one group."""
+    m, n, k, nw, st = TABLE_TILES[tile]
+    return {"block_m": m, "block_n": n, "block_k": k, "num_warps": nw, "num_stages": st, "sort": False,
+            "splits": 1, "plan": False}
 
 
 # Every tile sorted and unsorted in one pass, then sorted in 2 and 3 offset groups, then over the table alone.
 SPACE = tuple([_params(t, s) for t in range(len(TILES)) for s in (True, False)]
               + [_params(t, True, g) for t in range(len(TILES)) for g in (2, 3)]
-              + [_table_params(t) for t in range(len(TILES))])
+              + [_table_params(t) for t in range(len(TABLE_TILES))])
 
 
 # The adaptive pool, by the widest channel count: (tiles in one group, tiles in 2 groups, in 3).
@@ -257,7 +264,7 @@ def pool(problem: ConvProblem, level: str) -> list[Mapping]:
     if problem.lone:
         # A map serving one product builds its views for that product alone: the tiles over its table
         # need none (the tuner times a lone map's candidates with their views' build, tune/sweep.py).
-        auto += [_table_params(t) for t in single]
+        auto += [_table_params(t) for t in range(len(TABLE_TILES))]
     if problem.kernel_volume > 8:
         # Sorted by one 27-bit mask, a 64-row tile of a street scene visits offsets that only 65%
         # of its rows have; sorted per group of 9-14 offsets, 92-98% (street4; the measuring
