@@ -235,9 +235,12 @@ def sync(device: torch.device) -> None:
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
     """(median wall ms, median host ms until ``fn`` returned) over ``repeats`` passes after the
-    warm-up: one pass, our background compiles finished, one more pass (each layer then runs its choice)."""
-    fn()
-    sparseconv.tune.wait_for_compiles()
+    warm-up: passes, each followed by our background compiles finished, until every layer runs its
+    settled choice (a lone layer's map is known lone from its third new tensor, as the map plan reads
+    the last two batches: its product is tuned again then, with the views it builds), then one more."""
+    for _ in range(4):
+        fn()
+        sparseconv.tune.wait_for_compiles()
     fn()
     walls, hosts = [], []
     for _ in range(repeats):

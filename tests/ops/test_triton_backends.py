@@ -353,7 +353,7 @@ def test_submanifold_dgrad_runs_over_the_forward_plan_with_mirrored_weights(devi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", [m for m in CASES if m.name in ("submanifold_k3", "transposed_k3_s2")], ids=str)
-@pytest.mark.parametrize("table", [False, True], ids=["views", "table"])
+@pytest.mark.parametrize("table", [None, False, True], ids=["plan", "table", "sorted-table"])
 def test_a_new_map_binds_its_views_into_the_first_maps_launches(device, mode, table, monkeypatch, poisoned_outputs):
     # A new batch's map (other coordinates, sizes and views) makes no launches of its own for a
     # product made on an earlier map under the same recipe: it binds its views into that product's
@@ -365,7 +365,7 @@ def test_a_new_map_binds_its_views_into_the_first_maps_launches(device, mode, ta
     for module in (mask_triton, implicit_triton):
         monkeypatch.setattr(module, "Bound", lambda *args, _made=made, **kw: _made.append(args[0]) or Bound(*args, **kw))
     c_in, c_out, dtype = 6, 9, torch.float32
-    rows = {"params": {**(mask_triton._table_params(0) if table else mask_triton._params(0, True, 3)),
+    rows = {"params": {**(mask_triton._params(0, True, 3) if table is None else mask_triton._table_params(0, table)),
                        "block_m": 16 if device == "cpu" else 64},
             "wgrad": implicit_triton._wgrad_params(0, 4)}
     for batch, n in enumerate((60, 45, 70) if device == "cpu" else (4000, 3000, 5000)):

@@ -56,15 +56,17 @@ def _rows_product(kernel_map: KernelMap, params: Mapping, reduce_dim: int, out_d
     template = _TEMPLATES.get(recipe) if recipe else None
     launches = []
     if num_rows and out_dim and not planned(params):
-        # No views: the tiles are the table's own rows, their offsets found by the kernel.
+        # No tile plan: the tiles are the table's rows (in its order, or sorted by mask), their offsets
+        # found by the kernel.
         grid = (tk.cdiv(num_rows, bm) * tk.cdiv(out_dim, bn),)
         table = table.contiguous()
+        order = sorted_rows(kernel_map, True, True, groups[0]) if sort else table  # (unread when not sorted)
         if template is not None:
-            launches.append(template.launches[0].bind(grid, {2: table, 4: num_rows}))
+            launches.append(template.launches[0].bind(grid, {2: table, 3: order, 5: num_rows}))
         else:
-            args, options = _table_launch(params, dtype, (None, None, table, None), num_rows, reduce_dim, out_dim,
-                                          table.shape[1], strides)
-            launches.append(Bound(kernels.table_gemm, grid, args, options, varying=(0, 1, 3)))
+            args, options = _table_launch(params, dtype, (None, None, table, order, None), num_rows, reduce_dim,
+                                          out_dim, table.shape[1], strides)
+            launches.append(Bound(kernels.table_gemm, grid, args, options, varying=(0, 1, 4)))
     elif num_rows and out_dim:
         for step, group in enumerate(groups):
             rows = sorted_rows(kernel_map, True, sort, group, groups)
@@ -90,8 +92,8 @@ map's views: a network makes a few dozen, one per (layer shape, product, paramet
 
 _VIEWS = (2, 3, 4, 5)
 """The positions of the map's views (slots, rows, offsets, counts) in rows_gemm's arguments."""
-_TABLE = (2,)
-"""The position of the map's table in table_gemm's arguments."""
+_TABLE = (2, 3)
+"""The positions of the map's table and row order in table_gemm's arguments."""
 
 
 def planned(params: Mapping) -> bool:
@@ -134,7 +136,8 @@ def _table_launch(params: Mapping, dtype: torch.dtype, tensors: tuple, num_rows:
                   width: int, strides: tuple) -> tuple[tuple, dict]:
     """table_gemm's arguments and options (one place for :func:`_rows_product` and :func:`precompile`)."""
     options = dict(BLOCK_M=int(params["block_m"]), BLOCK_N=int(params["block_n"]), BLOCK_K=int(params["block_k"]),
-                   WIDTH=mask_views.block_width(width), PRECISION=tk.precision(dtype), **tk.launch_options(params))
+                   WIDTH=mask_views.block_width(width), PRECISION=tk.precision(dtype),
+                   ORDERED=bool(params.get("sort", True)), **tk.launch_options(params))
     return (*tensors, num_rows, reduce_dim, out_dim, width, *strides), options
 
 
@@ -157,8 +160,11 @@ def precompile(namespace: str, problem: ConvProblem, params: Mapping, kernel_map
     if num_rows == 0 or out_dim == 0:
         return
     if not planned(params):
-        args, options = _table_launch(params, dtype, (dtype, dtype, i32, dtype), num_rows, reduce_dim, out_dim,
-                                      volume, strides)
+        sort = bool(params.get("sort", True))
+        if sort:  # the row order (one group of every offset)
+            mask_views.precompile(problem.device, num_rows, volume, [(0, volume)], True, None)
+        args, options = _table_launch(params, dtype, (dtype, dtype, i32, i64 if sort else i32, dtype), num_rows,
+                                      reduce_dim, out_dim, volume, strides)
         warm(kernels.table_gemm, problem.device, *args, **options)
         return
     bm, sort = int(params["block_m"]), bool(params.get("sort", True))
@@ -228,21 +234,22 @@ def _params(tile: int, sort: bool = True, splits: int = 1) -> dict:
 
 
 TABLE_TILES = [(16, 32, 32, 2, 2), (32, 32, 32, 2, 2), (32, 64, 32, 4, 2), (64, 32, 32, 4, 2), (64, 64, 32, 4, 3)]
-"""Tiles over the table alone: short ones, as a tile of rows in the table's order visits the offsets any
-of its rows has (no sort groups rows of equal masks), fewer the fewer rows it holds."""
+"""Tiles without a tile plan: short ones, as a tile visits every offset any of its rows has (in the
+table's order, where no sort groups rows of equal masks: fewer the fewer rows it holds)."""
 
 
-def _table_params(tile: int) -> dict:
-    """A tile of :data:`TABLE_TILES` over the table alone (:func:`planned` False): no row order, one group."""
+def _table_params(tile: int, sort: bool = False) -> dict:
+    """A tile of :data:`TABLE_TILES` without a tile plan (:func:`planned` False): the rows in the table's
+    order or sorted by mask, one group."""
     m, n, k, nw, st = TABLE_TILES[tile]
-    return {"block_m": m, "block_n": n, "block_k": k, "num_warps": nw, "num_stages": st, "sort": False,
+    return {"block_m": m, "block_n": n, "block_k": k, "num_warps": nw, "num_stages": st, "sort": sort,
             "splits": 1, "plan": False}
 
 
 # Every tile sorted and unsorted in one pass, then sorted in 2 and 3 offset groups, then over the table alone.
 SPACE = tuple([_params(t, s) for t in range(len(TILES)) for s in (True, False)]
               + [_params(t, True, g) for t in range(len(TILES)) for g in (2, 3)]
-              + [_table_params(t) for t in range(len(TABLE_TILES))])
+              + [_table_params(t, s) for t in range(len(TABLE_TILES)) for s in (False, True)])
 
 
 # The adaptive pool, by the widest channel count: (tiles in one group, tiles in 2 groups, in 3).
@@ -264,7 +271,7 @@ def pool(problem: ConvProblem, level: str) -> list[Mapping]:
     if problem.lone:
         # A map serving one product builds its views for that product alone: the tiles over its table
         # need none (the tuner times a lone map's candidates with their views' build, tune/sweep.py).
-        auto += [_table_params(t) for t in range(len(TABLE_TILES))]
+        auto += [_table_params(t, s) for t in range(len(TABLE_TILES)) for s in (False, True)]
     if problem.kernel_volume > 8:
         # Sorted by one 27-bit mask, a 64-row tile of a street scene visits offsets that only 65%
         # of its rows have; sorted per group of 9-14 offsets, 92-98% (street4; the measuring

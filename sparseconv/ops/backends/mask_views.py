@@ -361,9 +361,10 @@ def precompile_pairs(device: torch.device, volume: int) -> None:
 
 
 def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequence[tuple[int, int]], sort: bool,
-               block_m: int) -> None:
-    """Compile the kernels that build a product's views (row orders, tile plans, and the same built
-    by the map plan for all maps at once) for a (rows, K) table without running them."""
+               block_m: int | None) -> None:
+    """Compile the kernels that build a product's views (row orders, tile plans of height ``block_m``
+    (None: a product without them), and the same built by the map plan for all maps at once) for a
+    (rows, K) table without running them."""
     kernels, i32, i64 = tk.kernels(), torch.int32, torch.int64
     if sort:
         for together in [groups] if _together(groups) else [[group] for group in groups]:
@@ -378,7 +379,7 @@ def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequenc
     # the map plan's pair counts (its widest table sets the block: this one's, a submanifold 3^3)
     warm(kernels.pair_counts_many, device, i64, i64, 2, BLOCK=_pair_block(volume), WIDTH=block_width(volume))
     warm(kernels.pair_counts, device, i32, i64, 2, volume, BLOCK=_pair_block(volume), WIDTH=block_width(volume))
-    for lo, hi in groups:
+    for lo, hi in groups if block_m is not None else ():
         width = hi - lo  # the row order below: int64 sort indices
         args, options = _plan_launch(i32, i64, i32, i32, i32, i32, num_rows, volume, lo, width, block_m)
         warm(kernels.tile_plan, device, *args, **options)

@@ -103,25 +103,29 @@ def _define() -> SimpleNamespace:
         else:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
-    # rows_gemm without views: a tile is BLOCK_M consecutive rows of the neighbour table, and the
-    # offsets it visits are found from the table itself (a map serving one product: no row order,
-    # no tile plan to build first). One offset group, every row stored.
+    # rows_gemm without a tile plan: a tile is BLOCK_M rows of the neighbour table, consecutive or in the
+    # order ``order_ptr`` gives (ORDERED), and the offsets it visits are found from its table rows (a map
+    # serving one product: no plan to build first). One offset group, every row stored.
     @triton.jit(do_not_specialize=["n_rows"])
     def table_gemm(
-        a_ptr, w_ptr, table_ptr, out_ptr,
+        a_ptr, w_ptr, table_ptr, order_ptr, out_ptr,
         n_rows, reduce_dim, out_dim, width,
         stride_wk, stride_wr, stride_wo,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, ORDERED: tl.constexpr,
     ):
         tiles_n = tl.cdiv(out_dim, BLOCK_N)
         pid_m = tl.program_id(0) // tiles_n
         pid_n = tl.program_id(0) % tiles_n
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_rows
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = slots < n_rows
+        if ORDERED:
+            rows = tl.load(order_ptr + slots, mask=row_ok, other=0).to(tl.int64)
+        else:
+            rows = slots.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < out_dim
-        entries = table_ptr + rows.to(tl.int64) * width  # each row's table entries (row stride = width)
+        entries = table_ptr + rows * width  # each row's table entries (row stride = width)
         # The offsets some row of the tile has, and each one's place in the tile's list of them.
         j = tl.arange(0, WIDTH)
         tile = tl.load(entries[:, None] + j[None, :], mask=row_ok[:, None] & (j < width)[None, :], other=-1)
@@ -143,7 +147,7 @@ def _define() -> SimpleNamespace:
                 mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
             )
             acc += tl.dot(a, w, input_precision=PRECISION)
-        out = out_ptr + rows.to(tl.int64)[:, None] * out_dim + cols[None, :]
+        out = out_ptr + rows[:, None] * out_dim + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
