@@ -236,6 +236,9 @@ class KernelMap:
     then times candidates with the views they build (:meth:`unviewed`), which no other product shares."""
     uses: list[int] | None = None
     """The map plan's count of the products made on this map (a cell its record keeps, see :attr:`lone`)."""
+    fill_hint: tuple[int, int] | None = None
+    """(pairs, table slots) of the last batch's map of a :attr:`lone` layer, read without a wait: the tuner's
+    key takes how full this map is from it rather than waiting for this map's counts (a host sync)."""
 
     def unviewed(self) -> KernelMap:
         """This map as a new batch's build leaves it: its table, sizes, flags and pair counts, none of the
@@ -245,7 +248,8 @@ class KernelMap:
         copy = KernelMap.__new__(KernelMap)
         copy.neighbors = self.neighbors
         copy._describe(self.num_in, self.num_out, self.kernel_size, self.identity_offset)
-        copy.each_input_once, copy.each_output_once, copy.lone = self.each_input_once, self.each_output_once, self.lone
+        copy.each_input_once, copy.each_output_once = self.each_input_once, self.each_output_once
+        copy.lone, copy.fill_hint = self.lone, self.fill_hint
         for name in ("offset_counts", "pair_counts", "num_pairs"):
             if name in self.__dict__:
                 copy.__dict__[name] = self.__dict__[name]

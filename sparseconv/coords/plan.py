@@ -87,6 +87,10 @@ class Record:
         self.lone: MapSpec | None = None
         """The map of a lone layer (:attr:`KernelMap.lone`): the one map each of the last two batches
         asked for, each making one product on it."""
+        self.lone_fill: tuple[int, int] | None = None
+        """(pairs, table slots) of the last batch's lone map: the new one's :attr:`KernelMap.fill_hint`."""
+        self.lone_counts: tuple[HostCopy, int] | None = None
+        """This batch's lone map's pair counts on their way to the host (read by the next batch), and its slots."""
         self.keep_tables: set[Triple] = set()
         """Strides whose hash tables a query after the plan needed (here or in the last batches): the
         cache keeps them when it drops the others (:meth:`CoordinateCache._drop_tables`)."""
@@ -101,7 +105,13 @@ class Record:
             kernel_map.on_call = self._calls_of(kernel_map, (spec, False)).setdefault
             kernel_map.plan_spec = spec
             kernel_map.uses = self.uses.setdefault(spec, [0])
-            kernel_map.lone = spec == self.lone
+            if spec == self.lone:
+                kernel_map.lone, kernel_map.fill_hint = True, self.lone_fill
+                if not (kernel_map.each_input_once or kernel_map.each_output_once  # (their pairs: known)
+                        or "offset_counts" in kernel_map.__dict__):
+                    # Counted now and copied without a wait: the next batch's hint (this one's, if the
+                    # last batch's map left none, is read from it at once by the tuner's key).
+                    self.lone_counts = _count_pairs([kernel_map]), kernel_map.num_out * kernel_map.kernel_volume
             self._count(kernel_map, (spec, False))
             _replay(kernel_map)
         source = kernel_map.transpose_of
@@ -203,6 +213,9 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
     lone = len(plan) == 1 and len(earlier) == HISTORY
     if lone and all(r.specs == plan and r.uses[plan[0]] == [1] for r in earlier):
         record.lone = plan[0]
+        if earlier[-1].lone_counts is not None:  # copied during the last batch: no wait
+            copy, slots = earlier[-1].lone_counts
+            record.lone_fill = sum(copy.values()), slots
     fresh = cache.set_count() == 1 and first.canonical and first.coords.shape[0] > 0
     # A plan of one map batches nothing, and the layer's own build of it takes fewer host steps (a lone
     # conv on new coordinates: 0.07-0.2 ms less for a submanifold map, 0.35-0.41 ms for a strided one,
@@ -402,18 +415,19 @@ def _one_launch(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _count_pairs(maps: list[KernelMap]) -> None:
+def _count_pairs(maps: list[KernelMap]) -> HostCopy | None:
     """Every map's pairs per offset, copied to the host in one transfer that nothing waits for until
     a map's :attr:`~KernelMap.pair_counts` is read: the tuner's key needs a submanifold map's, and
     the wgrad backends every map's (and its adjoint's, the same list), which would otherwise be a
-    host sync each in a training step's backward, with the GPU busy."""
+    host sync each in a training step's backward, with the GPU busy. Returns the copy (maps after maps)."""
     if not maps:
-        return
+        return None
     together, starts = count_pairs(maps)
     copy = HostCopy(together)  # read where a tuner key or a wgrad first needs them, not here
     for kernel_map, start in zip(maps, starts):
         kernel_map.__dict__["offset_counts"] = together[start: start + kernel_map.kernel_volume]
         kernel_map.counts_copied(copy, start)
+    return copy
 
 
 def _start_in(part: torch.Tensor, whole: torch.Tensor) -> int:

@@ -322,13 +322,19 @@ def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_
             for _ in range(products):
                 conv(x)
         kernel_map = x.cache.kernel_maps()[0]
+        maps.append(kernel_map)
         assert kernel_map.uses == [products]
         problems = [view for key, view in kernel_map._derived.items() if key[0] == "conv_problem"]
         assert [problem.lone for problem in problems] == [kernel_map.lone]  # what the tuner reads
         return kernel_map.lone
 
+    maps = []
     requests(batch(device, 0))  # a network's batch
     assert [seen(seed) for seed in (1, 2, 3, 4)] == [False, False, True, True]
+    # The tuner's key takes a lone map's fill from the last batch's lone map (counted and copied then: no
+    # wait), the first lone map's from its own counts.
+    previous = maps[-2]
+    assert maps[-2].fill_hint is None and maps[-1].fill_hint == (sum(previous.pair_counts), previous.num_out * 27)
     assert [seen(seed, 2) for seed in (5, 6, 7)] == [True, False, False]
     assert [seen(seed) for seed in (8, 9, 10)] == [False, False, True]
     requests(batch(device, 11))  # a network again (its first map was taken for the lone layer's: no harm)

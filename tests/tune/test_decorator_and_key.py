@@ -142,3 +142,15 @@ def test_a_timing_sample_is_the_mean_of_its_back_to_back_calls():
     assert host == ms  # on the CPU, issuing a call is running it
     with pytest.raises(ValueError, match="calls must be >= 1"):
         TimingPlan(warmup=0, repeats=1, flush_l2=False, calls=0)
+
+
+def test_a_lone_maps_key_takes_its_fill_from_the_last_batch_without_reading_its_counts():
+    from sparseconv.coords import KernelMap
+
+    table = torch.tensor([[0, -1, 1], [1, 0, -1]], dtype=torch.int32)
+    kernel_map = KernelMap(table, 2, (3, 1, 1), identity_offset=1)
+    kernel_map.lone, kernel_map.fill_hint = True, (10, 1000)
+    problem = _problem(num_in=2, num_out=2, kernel_size=(3, 1, 1), stride=(1, 1, 1), lone=True)
+    key = make_key("AB_gather_scatter", problem, kernel_map)
+    assert key.density == density_bucket(10, 1000) != density_bucket(4, 6)
+    assert "pair_counts" not in kernel_map.__dict__ and key.lone and key.encode().endswith("|lone")
