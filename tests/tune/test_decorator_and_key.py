@@ -104,7 +104,7 @@ def _problem(**changes) -> ConvProblem:
 
 
 class _Map:
-    num_pairs, num_out, kernel_volume = 30_000, 5_000, 27
+    num_pairs, num_out, kernel_volume, fill_hint = 30_000, 5_000, 27, None
 
 
 def test_key_holds_bucketed_sizes_channels_geometry_dtype_and_device():
