@@ -1,12 +1,17 @@
-"""Whole-network benchmark: MinkUNet as users run it, ours beside spconv, spconv-triton and naive torch,
-in one run (the detection backbone, SparseResNetBackbone, is not timed here yet).
+"""Whole-network benchmark: MinkUNet (or, with --model backbone, the detection backbone) as users run it,
+ours beside spconv, spconv-triton and naive torch, in one run.
 
 Every pass builds a new SparseTensor from the scene's coordinates ("new": the kernel maps are
 built again, as when every batch brings new point clouds), or reuses one ("same": maps cached).
 The model is the TorchSparse++ MinkUNet: a stem of two submanifold 3^3 convs to 32 channels,
 four encoder stages [32, 64, 128, 256] of a k2 s2 conv and two residual blocks, four decoder
 stages [256, 128, 96, 96] of a k2 s2 transposed conv, a skip concatenation and two residual
-blocks, then a 1x1x1 head; weights in the benchmark dtype. "naive torch" is our network with
+blocks, then a 1x1x1 head; weights in the benchmark dtype. The backbone (--model backbone) is
+SparseResNetBackbone (OpenPCDet's VoxelResBackBone8x shape: a submanifold stem, stages [16, 32, 64,
+128] of two residual blocks, the later three opened by a k3 s2 conv, a k3 s2 height conv, the dense
+BEV map; its loss the map's mean square) with spconv's downsampling (``generative_down``: every coarse
+voxel a window reaches, as spconv's SparseConv3d with padding 1 makes), against the same network
+written with spconv's modules; the voxels of each stage are printed for both, to show equal networks. "naive torch" is our network with
 every product pinned to explicit_gemm (gather, mm, scatter-add in torch). With --deterministic,
 "ours_deterministic" is ours in deterministic mode (sparseconv.set_deterministic(True): only
 atomics-free algorithms), the row after ours: what bitwise-repeatable runs cost. With --lazy-maps,
@@ -42,6 +47,7 @@ reuse a strided conv's map.
     python scripts/bench_network.py --scenes street1 --dtypes float16 --peers spconv
     python scripts/bench_network.py --scenes street1 street4 room2 --dtypes float16 --peers --deterministic
     python scripts/bench_network.py --scenes street1 room2 --dtypes float16 --peers spconv --lazy-maps
+    python scripts/bench_network.py --scenes street1 street4 --dtypes float16 --peers spconv --model backbone
     python scripts/bench_network.py --device cpu --scale 0.05 --repeats 2 --peers naive   # dry run
 """
 
@@ -69,7 +75,7 @@ from anchors import anchor_tensor, import_anchor  # noqa: E402
 from bench_layers import SCENES, scene_coords  # noqa: E402
 
 import sparseconv  # noqa: E402
-from sparseconv.models import MinkUNet  # noqa: E402
+from sparseconv.models import MinkUNet, SparseResNetBackbone  # noqa: E402
 from sparseconv.nn import SparseConv3d  # noqa: E402
 
 PEERS = ("spconv", "spconv_triton", "naive")
@@ -78,8 +84,21 @@ IN_CHANNELS = 4
 NAIVE_PINS = {"fwd_algo": "explicit_gemm", "dgrad_algo": "explicit_gemm", "wgrad_algo": "explicit_gemm"}
 
 
-def ours_model(pins: dict | None = None) -> nn.Module:
-    net = MinkUNet(IN_CHANNELS, NUM_CLASSES, stem_kernel_size=3, stem_convs=2)
+MODELS = ("minkunet", "backbone")
+
+
+def ours_model(pins: dict | None = None, model: str = "minkunet", coords: torch.Tensor | None = None) -> nn.Module:
+    if model == "backbone":
+        # spconv's downsampling (every coarse voxel a window reaches), on the scene's voxel grid (a detector's
+        # fixed point-cloud range: the BEV map's size needs no read of the batch's coordinates)
+        # The grid reaches past the input's voxels by what the convs generate there: 1 + 2 + 4 voxels along
+        # every axis, 8 more along the height (spconv drops what leaves its spatial shape instead).
+        lo = [v - 16 for v in coords[:, 1:].amin(0).tolist()]
+        hi = [v + 16 for v in coords[:, 1:].amax(0).tolist()]
+        net = SparseResNetBackbone(IN_CHANNELS, generative_down=True, grid_origin=lo,
+                                   grid_shape=[b - a + 1 for a, b in zip(lo, hi)])
+    else:
+        net = MinkUNet(IN_CHANNELS, NUM_CLASSES, stem_kernel_size=3, stem_convs=2)
     for module in net.modules():
         if pins and isinstance(module, SparseConv3d):
             module.pins = type(module.pins).checked(pins["fwd_algo"], pins["dgrad_algo"], pins["wgrad_algo"])
@@ -134,6 +153,43 @@ class AnchorMinkUNet(nn.Module):
         return self.head(y)
 
 
+class AnchorBackbone(nn.Module):
+    """SparseResNetBackbone in spconv's API (OpenPCDet's VoxelResBackBone8x shape with our channels): a
+    submanifold stem, four stages of two residual blocks, stages 2-4 opened by a k3 s2 conv with padding 1,
+    and the height conv (k3 s2 along z, padding 1 there); the output made dense (the BEV map's tensor).
+    ``sizes``: the voxels of each stage's output and of the height conv's, from the last pass."""
+
+    def __init__(self, spc, channels=(16, 32, 64, 128), out_channels=128, algo=None):
+        super().__init__()
+        extra = {} if algo is None else {"algo": algo}
+
+        def cbr(conv, c):
+            return spc.SparseSequential(conv, nn.BatchNorm1d(c), nn.ReLU(inplace=True))
+
+        self.stem = cbr(spc.SubMConv3d(IN_CHANNELS, channels[0], 3, bias=False, indice_key="s0", **extra), channels[0])
+        self.down, self.blocks = nn.ModuleList(), nn.ModuleList()
+        c = channels[0]
+        for i, out in enumerate(channels):
+            self.down.append(nn.Identity() if i == 0 else cbr(
+                spc.SparseConv3d(c, out, 3, 2, padding=1, bias=False, indice_key=f"d{i}", **extra), out))
+            self.blocks.append(nn.ModuleList([AnchorBlock(spc, out, out, f"s{i}", extra) for _ in range(2)]))
+            c = out
+        self.height = cbr(spc.SparseConv3d(c, out_channels, (1, 1, 3), (1, 1, 2), padding=(0, 0, 1), bias=False,
+                                           indice_key="h", **extra), out_channels)
+        self.sizes: list[int] = []
+
+    def forward(self, x):
+        x, sizes = self.stem(x), []
+        for down, blocks in zip(self.down, self.blocks):
+            x = down(x)
+            for block in blocks:
+                x = block(x)
+            sizes.append(x.indices.shape[0])
+        out = self.height(x)
+        self.sizes = [*sizes, out.indices.shape[0]]
+        return out
+
+
 class AnchorBlock(nn.Module):
     def __init__(self, spc, c_in, c_out, key, extra):
         super().__init__()
@@ -158,19 +214,21 @@ OURS = ("ours", "ours_lazy_maps", "naive")
 class Runner:
     """One library's network on one scene: how to make its input and read its logits."""
 
-    def __init__(self, name: str, coords: torch.Tensor, dtype: torch.dtype, device: torch.device, native: bool = False):
+    def __init__(self, name: str, coords: torch.Tensor, dtype: torch.dtype, device: torch.device, native: bool = False,
+                 model: str = "minkunet"):
         self.lazy_maps = name == "ours_lazy_maps"
         name = "ours" if self.lazy_maps else name
-        self.name, self.coords, self.device = name, coords, device
+        self.name, self.coords, self.device, self.model = name, coords, device, model
         self.feats = torch.randn(len(coords), IN_CHANNELS, device=device, dtype=dtype)
         self.labels = torch.randint(0, NUM_CLASSES, (len(coords),), device=device)
         if name in ("ours", "naive"):
-            self.net = ours_model(NAIVE_PINS if name == "naive" else None).to(device, dtype)
+            self.net = ours_model(NAIVE_PINS if name == "naive" else None, model, coords).to(device, dtype)
         else:
             self.spc = import_anchor(name)
             if isinstance(self.spc, str):
                 raise RuntimeError(self.spc)
-            self.net = AnchorMinkUNet(self.spc, algo=self.spc.ConvAlgo.Native if native else None).to(device, dtype)
+            anchor = AnchorBackbone if model == "backbone" else AnchorMinkUNet
+            self.net = anchor(self.spc, algo=self.spc.ConvAlgo.Native if native else None).to(device, dtype)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3)
         self._same = None
         if self.lazy_maps:
@@ -188,13 +246,33 @@ class Runner:
         return x
 
     def logits(self, out) -> torch.Tensor:
-        return out.feats if self.name in ("ours", "naive") else out.features
+        """What the loss reads: the MinkUNet's per-voxel logits, the backbone's dense BEV tensor (ours makes it
+        in its forward, spconv's ``dense()`` here)."""
+        ours = self.name in ("ours", "naive")
+        if self.model == "backbone":
+            return out.bev if ours else out.dense()
+        return out.feats if ours else out.features
+
+    def loss(self, out) -> torch.Tensor:
+        if self.model == "backbone":
+            return self.logits(out).float().square().mean()
+        return nn.functional.cross_entropy(self.logits(out).float(), self.labels)
+
+    def voxels(self) -> list[int]:
+        """The voxels of each stage's output and of the height conv's (the backbone), from a new pass."""
+        with torch.no_grad():
+            out = self.net.eval()(self.make_input(False))
+        if self.name in ("ours", "naive"):
+            return [len(stage) for stage in out.stages] + [len(out.out)]
+        return list(self.net.sizes)
 
     def infer(self, same: bool = False) -> None:
         if self.net.training:  # an inference loop sets the mode once, not every pass (~1 ms of host time)
             self.net.eval()
         with torch.no_grad():
             out = self.net(self.make_input(same))
+            if self.model == "backbone" and self.name not in ("ours", "naive"):
+                self.logits(out)  # spconv's dense map: ours makes its BEV map in the forward
         if same and self.name not in ("ours", "naive"):
             self._same.indice_dict = subm_maps(out)
 
@@ -205,8 +283,7 @@ class Runner:
         out = self.net(self.make_input(same))
         if same and self.name not in ("ours", "naive"):
             self._same.indice_dict = subm_maps(out)
-        loss = nn.functional.cross_entropy(self.logits(out).float(), self.labels)
-        loss.backward()
+        self.loss(out).backward()
         self.optimizer.step()
 
 
@@ -324,15 +401,15 @@ def train_columns(runner: Runner, device, repeats: int, row: dict) -> None:
             row[column] = measure()
 
 
-def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
+def run_network(name: str, coords, dtype, device, repeats: int, model: str = "minkunet") -> dict:
     if name == "ours_deterministic":
         previous = sparseconv.set_deterministic(True)
         try:
-            return run_network("ours", coords, dtype, device, repeats)
+            return run_network("ours", coords, dtype, device, repeats, model)
         finally:
             sparseconv.set_deterministic(previous)
     try:
-        runner = Runner(name, coords, dtype, device)
+        runner = Runner(name, coords, dtype, device, model=model)
         row = {"first": one_call_ms(runner.infer, device)}
         row["infer"], row["host"] = timed(runner.infer, device, repeats)
         row["infer="], _ = timed(lambda: runner.infer(same=True), device, repeats)
@@ -349,8 +426,10 @@ def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
             print(f"{name}: training failed ({type(error).__name__}: {str(error)[:300]}); "
                   "the remaining training columns with ConvAlgo.Native", flush=True)
             row["native"] = [k for k in ("step", "peak GB", "step=") if k not in row]
-            train_columns(Runner(name, coords, dtype, device, native=True), device, repeats, row)
+            train_columns(Runner(name, coords, dtype, device, native=True, model=model), device, repeats, row)
             row["note"] = "Native: " + ", ".join(row["native"])
+        if model == "backbone" and name in ("ours", "spconv", "spconv_triton"):
+            row["voxels"] = runner.voxels()
         if name in ("ours", "ours_lazy_maps"):
             x = runner.make_input(False)
             with torch.no_grad():
@@ -363,7 +442,8 @@ def run_network(name: str, coords, dtype, device, repeats: int) -> dict:
         return {"error": f"n/a ({type(error).__name__}: {str(error)[:80]})"}
 
 
-def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats: int) -> dict[str, dict]:
+def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats: int, model: str = "minkunet"
+                ) -> dict[str, dict]:
     """{library: {"infer": ms, "step": ms}}: new-coordinate inference and training step timed in
     rounds that alternate the libraries (the order rotating every round), inference rounds first.
 
@@ -376,7 +456,8 @@ def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats
         if library == "ours_deterministic" or "error" in rows.get(library, {"error": True}):
             continue
         # As its row trained on new coordinates: Native only if its default algorithm failed there.
-        runners[library] = Runner(library, coords, dtype, device, native="step" in rows[library].get("native", ()))
+        runners[library] = Runner(library, coords, dtype, device, native="step" in rows[library].get("native", ()),
+                                  model=model)
     for runner in runners.values():
         for _ in range(2):
             runner.infer()
@@ -384,7 +465,7 @@ def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats
     sparseconv.tune.wait_for_compiles()
     times = {library: {"infer": [], "step": []} for library in runners}
     names = list(runners)
-    for kind in ("infer", "step"):
+    for kind in ("infer", "step") if names else ():
         for round_ in range(repeats):
             for library in names[round_ % len(names):] + names[: round_ % len(names)]:
                 times[library][kind].append(one_call_ms(getattr(runners[library], kind), device))
@@ -433,11 +514,11 @@ def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> float |
         return f"n/a ({type(error).__name__})"
 
 
-def profile_ours(coords, dtype, device) -> None:
+def profile_ours(coords, dtype, device, model: str = "minkunet") -> None:
     """Where ours spends host time: per pass kind (inference and training step, new and kept
     coordinates), the torch ops each line of sparseconv issues (count, host ms), then the host
     syncs by line and a cProfile of one training step."""
-    runner = Runner("ours", coords, dtype, device)
+    runner = Runner("ours", coords, dtype, device, model=model)
     passes = {"infer new": runner.infer, "infer same": lambda: runner.infer(same=True),
               "step same": lambda: runner.step(same=True), "step new": runner.step}
     for fn in passes.values():
@@ -515,6 +596,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--model", default="minkunet", choices=MODELS,
+                        help="the MinkUNet, or the detection backbone (SparseResNetBackbone with spconv's downsampling)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
     parser.add_argument("--profile", action="store_true", help="profile one new-coordinate inference of ours first")
@@ -529,28 +612,31 @@ def main() -> None:
     device = torch.device(args.device)
     os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}; torch {torch.__version__}; median of {args.repeats} passes (ms); "
+    print(f"model: {args.model}; device: {name}; torch {torch.__version__}; median of {args.repeats} passes (ms); "
           f"tuning cache {os.environ['SPARSECONV_CACHE_DIR']}")
     libraries = ["ours", *(["ours_deterministic"] if args.deterministic else []),
                  *(["ours_lazy_maps"] if args.lazy_maps else []), *args.peers]
     scenes = {scene: scene_coords(scene, args.scale).to(device) for scene in args.scenes}
     if args.profile:
-        profile_ours(scenes[args.scenes[0]], getattr(torch, args.dtypes[0]), device)
+        profile_ours(scenes[args.scenes[0]], getattr(torch, args.dtypes[0]), device, args.model)
     columns = ["infer", "step", "infer=", "step=", "host", "gpu", "peak GB", "first", "1st step", "maps", "syncs",
                "warp"]
     print("| scene | N | dtype | library | " + " | ".join(columns) + " |")
     print("|---" * (4 + len(columns)) + "|")
-    speedups, alternated = [], {}
+    speedups, alternated, voxels = [], {}, {}
     for scene, coords in scenes.items():
         for dtype_name in args.dtypes:
             rows = {}
             for library in libraries:
-                rows[library] = row = run_network(library, coords, getattr(torch, dtype_name), device, args.repeats)
+                rows[library] = row = run_network(library, coords, getattr(torch, dtype_name), device, args.repeats,
+                                                  args.model)
                 cells = [row["error"]] if "error" in row else [fmt(row.get(c)) for c in columns]
+                if "voxels" in row:
+                    voxels[(scene, dtype_name, library)] = row["voxels"]
                 label = library + (f" ({row['note']})" if "note" in row else "")
                 print(f"| {scene} | {len(coords)} | {dtype_name} | {label} | " + " | ".join(cells) + " |", flush=True)
             if args.interleave and len(libraries) > 1:
-                both = interleaved(coords, getattr(torch, dtype_name), device, libraries, rows, args.repeats)
+                both = interleaved(coords, getattr(torch, dtype_name), device, libraries, rows, args.repeats, args.model)
                 alternated[(scene, dtype_name)] = both
                 anchor, ours = both.get("spconv"), both.get("ours")
                 if anchor is not None and ours is not None:
@@ -563,8 +649,12 @@ def main() -> None:
             for library, kinds in both.items():
                 print(f"| {scene} | {dtype_name} | {library} | {kinds['infer']:.2f} | {kinds['step']:.2f} |")
     for scene, dtype_name, infer, step, ours_gb, their_gb in speedups:
-        print(f"{scene} {dtype_name}: ours over spconv, new coordinates, alternating rounds: inference {infer:.2f}x, "
-              f"training step {step:.2f}x; peak memory {fmt(ours_gb)} vs {fmt(their_gb)} GB")
+        print(f"{scene} {dtype_name} {args.model}: ours over spconv, new coordinates, alternating rounds: inference "
+              f"{infer:.2f}x, training step {step:.2f}x; peak memory {fmt(ours_gb)} vs {fmt(their_gb)} GB")
+    if voxels:
+        print("\nvoxels of each stage's output and of the height conv (the same network on both sides when equal):")
+        for (scene, dtype_name, library), counts in voxels.items():
+            print(f"  {scene} {dtype_name} {library}: {counts}")
     if args.maps:
         print("\nkernel-map build (ms): subm3, one 16-channel conv on a fresh tensor minus the same conv with its map "
               "cached; down2, the whole 16-channel k2 s2 conv on a fresh tensor (spconv cannot reuse its map)")

@@ -22,9 +22,11 @@ def conv_norm_relu(
     stride: int | Sequence[int] = 1,
     transposed: bool = False,
     norm: NormFactory = BatchNorm,
+    generative: bool = False,
 ) -> Sequential:
     """Sequential(conv without bias, norm, ReLU); the norm's shift makes a conv bias redundant."""
-    conv = SparseConv3d(in_channels, out_channels, kernel_size, stride, bias=False, transposed=transposed)
+    conv = SparseConv3d(in_channels, out_channels, kernel_size, stride, bias=False, transposed=transposed,
+                        generative=generative)
     return Sequential(conv, norm(out_channels), ReLU(inplace=True))
 
 

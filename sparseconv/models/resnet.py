@@ -40,6 +40,9 @@ class SparseResNetBackbone(nn.Module):
     height_axis: which of x, y, z (0, 1, 2) is up. grid_shape, grid_origin: the voxel grid of the
     input (voxel counts along x, y, z and the voxel at its corner, as the point-cloud range / voxel
     size of a detector) fix the BEV map's size; without them it just covers each batch.
+    generative_down: the strided convs (the stages' and the height conv) make every coarse voxel whose
+    window holds an input, as spconv's and OpenPCDet's ``SparseConv3d`` with padding ``k // 2`` do (the
+    output grows by the kernel's reach), instead of keeping the floors of the input's voxels.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class SparseResNetBackbone(nn.Module):
         grid_shape: Sequence[int] | None = None,
         grid_origin: Sequence[int] = (0, 0, 0),
         norm: NormFactory = BatchNorm,
+        generative_down: bool = False,
     ) -> None:
         super().__init__()
         blocks = [blocks] * len(channels) if isinstance(blocks, int) else list(blocks)
@@ -70,12 +74,12 @@ class SparseResNetBackbone(nn.Module):
         self.stages = nn.ModuleList()
         c = channels[0]
         for i, (out, depth) in enumerate(zip(channels, blocks)):
-            down = [] if i == 0 else [conv_norm_relu(c, out, 3, 2, norm=norm)]
+            down = [] if i == 0 else [conv_norm_relu(c, out, 3, 2, norm=norm, generative=generative_down)]
             self.stages.append(Sequential(*down, *residual_stage(out, out, depth, norm)))
             c = out
         kernel = tuple(3 if axis == height_axis else 1 for axis in range(3))
         stride = tuple(2 if axis == height_axis else 1 for axis in range(3))
-        self.height_conv = conv_norm_relu(c, out_channels, kernel, stride, norm=norm)
+        self.height_conv = conv_norm_relu(c, out_channels, kernel, stride, norm=norm, generative=generative_down)
 
     def forward(self, input: SparseTensor) -> BackboneOutput:
         x = self.stem(input)

@@ -58,3 +58,28 @@ def test_bad_arguments():
         SparseResNetBackbone(4, blocks=(1, 2))
     with pytest.raises(ValueError, match="grid_shape"):
         SparseResNetBackbone(4, grid_shape=(10, 10))
+
+
+def test_generative_down_makes_every_coarse_voxel_whose_window_holds_an_input():
+    # spconv's / OpenPCDet's SparseConv3d(k=3, s=2, padding=1): output o (a multiple of the new stride)
+    # exists where some input voxel lies within one input step of it along every axis.
+    x = _input(low=-9)
+    backbone = SparseResNetBackbone(4, channels=(4, 4, 4), blocks=(1, 0, 1), out_channels=4, generative_down=True)
+    out = backbone(x)
+    previous = x
+    for stage in (*out.stages[1:], out.out):
+        step, stride = torch.tensor(previous.stride), torch.tensor(stage.stride)
+        reach = step * (stride > step)  # one input step along the strided axes, none along the others
+        wanted = set()
+        for b, *p in previous.coords.tolist():
+            point = torch.tensor(p)
+            for dx in (-1, 0, 1):
+                for dy in (-1, 0, 1):
+                    for dz in (-1, 0, 1):
+                        o = point + torch.tensor((dx, dy, dz)) * reach
+                        if bool((o % stride == 0).all()):
+                            wanted.add((b, *o.tolist()))
+        assert set(map(tuple, stage.coords.tolist())) == wanted
+        previous = stage
+    floored = SparseResNetBackbone(4, channels=(4, 4, 4), blocks=(1, 0, 1), out_channels=4)(x)
+    assert len(out.stages[1]) > len(floored.stages[1])
