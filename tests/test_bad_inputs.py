@@ -491,3 +491,13 @@ def test_bad_cache_file_warns_and_the_conv_call_works_on_a_fresh_cache(row: BadC
         asides = list(directory.glob(f"{path.name}.{row.aside}"))
         assert len(asides) == 1 and asides[0].read_bytes() == before
     assert not list(directory.glob(".*.tmp"))  # no temp file left behind
+
+
+def test_a_generative_conv_whose_voxels_leave_the_packable_range_names_it():
+    # A voxel at the top of the range generates one past it (COORD_MAX is odd: COORD_MAX + 1 is on the stride-2 grid).
+    coords = torch.tensor([[0, 0, 0, 0], [0, COORD_MAX, 0, 0]], dtype=torch.int32)
+    conv = snn.SparseConv3d(4, 5, 3, 2, generative=True)
+    with pytest.raises(ValueError, match=rf"generative conv: .*supported range: x, y, z in \[{COORD_MIN}, {COORD_MAX}\]"):
+        conv(SparseTensor(coords, torch.randn(2, 4)))
+    inside = SparseTensor(coords - torch.tensor([0, 1, 0, 0], dtype=torch.int32), torch.randn(2, 4))
+    assert {tuple(c) for c in conv(inside).coords.tolist()} == {(0, -2, 0, 0), (0, 0, 0, 0), (0, COORD_MAX - 1, 0, 0)}

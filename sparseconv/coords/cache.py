@@ -10,6 +10,7 @@ beside the canonical ones and never replace them.
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from . import plan
-from .hashing import CoordHashTable, floor_masks, floor_sets, floors_by_mask, pack_coords, range_violation, unpack_keys
+from .hashing import (
+    COORD_MAX, COORD_MIN, CoordHashTable, floor_masks, floor_sets, floors_by_mask, generate_set, pack_coords,
+    range_violation, unpack_keys,
+)
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
 
 
@@ -262,6 +266,15 @@ class CoordinateCache:
         unit = out_stride if key.transposed else source.stride
         step = tuple(d * u for d, u in zip(key.dilation, unit))
         shift = _offsets(key.kernel_size, step, 1 if key.transposed else -1, self.device)
+        if source.coords.shape[0]:
+            # Hash inserts of the candidates on the grid (one host read), where torch's candidates, filter,
+            # range check and unique took 3-4 host syncs a conv; the set keeps its table for its maps.
+            on_grid = math.prod((k - 1) * s // o + 1 for k, s, o in zip(key.kernel_size, step, out_stride))
+            made = generate_set(self.keys(key.source), shift, out_stride, min(on_grid, shift.shape[0]))
+            if made.out_of_range:
+                raise ValueError("generative conv: the generated output coordinates leave the supported range: "
+                                 f"x, y, z in [{COORD_MIN}, {COORD_MAX}] (in voxel units of stride 1)")
+            return self.add(made.coords, out_stride, canonical=False, keys=made.keys, table=made.table)
         xyz = (source.coords[:, None, 1:] + shift[None]).reshape(-1, 3)
         batch = source.coords[:, None, :1].expand(-1, shift.shape[0], 1).reshape(-1, 1)
         candidates = torch.cat([batch, xyz], dim=1)

@@ -436,6 +436,55 @@ def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:
     return FloorSets(unique, coords, counts, table, capacity)
 
 
+class GeneratedSet(NamedTuple):
+    """The voxels of :func:`generate_set`."""
+
+    keys: torch.Tensor
+    """(M,) int64 packed keys."""
+    coords: torch.Tensor
+    """(M, 4) int32, the keys unpacked."""
+    table: CoordHashTable
+    out_of_range: bool
+    """Some voxel on the grid left the packable range (none of it is then in the set)."""
+
+
+def generate_set(keys: torch.Tensor, offsets: torch.Tensor, stride: tuple[int, int, int], per_row: int
+                 ) -> GeneratedSet:
+    """Every voxel on the grid of multiples of ``stride`` that a row of ``keys`` moved by an offset of
+    ``offsets`` reaches, once each, in the order of its first (offset, row), with its hash table: three Warp
+    launches, a prefix sum and one host read (the count and a range flag), where torch's candidates, grid
+    filter, range check and ``unique`` took ~10 ops and 3-4 host syncs. keys: (N,) int64 packed keys of
+    unique rows; offsets: (K, 3) int32 on their device; per_row: at most how many of a row's K candidates
+    lie on the grid (the table's size)."""
+    n, volume = keys.shape[0], offsets.shape[0]
+    capacity = _floor_capacity(n * per_row)
+    # As floor_sets: one allocation, one fill (the table's -1 keys, its int32 values behind them holding
+    # each voxel's first candidate until the compaction writes its rank there).
+    buffer = torch.full((capacity * 3 // 2,), EMPTY_KEY, dtype=torch.int64, device=keys.device)
+    table_keys, values = buffer.split_with_sizes((capacity, buffer.shape[0] - capacity))
+    table = CoordHashTable(table_keys, values.view(torch.int32))
+    if n == 0 or volume == 0:
+        empty = torch.empty((0,), dtype=torch.int64, device=keys.device)
+        return GeneratedSet(empty, unpack_keys(empty), table, False)
+    kernels, device, grid = _kernels(), keys.device, [int(s) for s in stride]
+    marks = torch.empty((volume * n + 1,), dtype=torch.int32, device=device)  # the candidates' marks, then the flag
+    flag = marks[-1:]
+    flag.fill_(0)
+    _launch(kernels.generate_insert, (volume, n), [keys, offsets, *grid, table.keys, table.values, capacity - 1, flag],
+            device)
+    _launch(kernels.generate_firsts, (volume, n), [keys, offsets, *grid, table.keys, table.values, capacity - 1,
+                                                   marks[:-1]], device)
+    ranks = marks[:-1]
+    ranks.cumsum_(0)
+    total, out_of_range = marks[-2:].tolist()  # the one host read
+    unique = torch.empty((total,), dtype=torch.int64, device=device)
+    coords = torch.empty((total, 4), dtype=torch.int32, device=device)
+    if total:
+        _launch(kernels.generate_compact, (volume, n),
+                [keys, offsets, *grid, table.keys, capacity - 1, ranks, unique, coords, table.values], device)
+    return GeneratedSet(unique, coords, table, bool(out_of_range))
+
+
 class MapQuery(NamedTuple):
     """One kernel map of a :func:`query_many` launch: its output rows ``coords[row_base:row_base +
     rows]`` of its coordinate array, its offsets ``offsets[offset_base:offset_base + volume]``, its

@@ -1,6 +1,6 @@
 """The warp-lang kernels of the coordinate hash tables, defined on first use (importing sparseconv
-must not start Warp): inserts (one set, one set with the input checks, the floors of a set at several strides) and
-neighbour queries (one map, several maps at once). :mod:`.hashing` launches them."""
+must not start Warp): inserts (one set, one set with the input checks, the floors of a set at several strides, the
+voxels a generative conv makes) and neighbour queries (one map, several maps at once). :mod:`.hashing` launches them."""
 
 from __future__ import annotations
 
@@ -239,6 +239,111 @@ def define() -> SimpleNamespace:
         table_values[base + floor_slot(key, table_keys, base, mask)] = wp.int32(row - start)
 
     @wp.func
+    def generated(key: wp.int64, offsets: wp.array2d(dtype=wp.int32), k: wp.int64, sx: wp.int64, sy: wp.int64,
+                  sz: wp.int64) -> wp.int64:
+        """The key of ``key``'s voxel moved by ``offsets[k]`` where it lies on the grid of multiples of (sx, sy,
+        sz); -1 off the grid, -2 on it but out of the packable range."""
+        field = coord_span - wp.int64(1)
+        x = ((key >> (wp.int64(2) * coord_bits)) & field) - coord_bias + wp.int64(offsets[k, 0])
+        y = ((key >> coord_bits) & field) - coord_bias + wp.int64(offsets[k, 1])
+        z = (key & field) - coord_bias + wp.int64(offsets[k, 2])
+        if x % sx != wp.int64(0) or y % sy != wp.int64(0) or z % sz != wp.int64(0):  # (C's %: 0 for multiples)
+            return wp.int64(-1)
+        bx = x + coord_bias
+        by = y + coord_bias
+        bz = z + coord_bias
+        if bx < wp.int64(0) or bx >= coord_span or by < wp.int64(0) or by >= coord_span:
+            return wp.int64(-2)
+        if bz < wp.int64(0) or bz >= coord_span:
+            return wp.int64(-2)
+        batch = key >> (wp.int64(3) * coord_bits)
+        return (batch << (wp.int64(3) * coord_bits)) | (bx << (wp.int64(2) * coord_bits)) | (by << coord_bits) | bz
+
+    @wp.kernel
+    def generate_insert(
+        keys: wp.array(dtype=wp.int64),
+        offsets: wp.array2d(dtype=wp.int32),
+        sx: wp.int64,
+        sy: wp.int64,
+        sz: wp.int64,
+        table_keys: wp.array(dtype=wp.int64),
+        first: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+        flags: wp.array(dtype=wp.int32),
+    ):
+        # Thread (k, i): input row i moved by offset k, where on the grid, into the table; the slot's value
+        # keeps the voxel's first candidate (k * n + i, the smallest) as total - it, the largest (first
+        # filled with -1). flags[0] = 1 where a candidate on the grid leaves the packable range.
+        k, i = wp.tid()
+        n = wp.int64(keys.shape[0])
+        total = wp.int64(offsets.shape[0]) * n
+        key = generated(keys[i], offsets, wp.int64(k), sx, sy, sz)
+        if key == wp.int64(-2):
+            flags[0] = wp.int32(1)
+        if key >= wp.int64(0):
+            slot = floor_slot(key, table_keys, wp.int64(0), mask)
+            if slot >= wp.int64(0):
+                wp.atomic_max(first, slot, wp.int32(total - (wp.int64(k) * n + wp.int64(i))))
+
+    @wp.kernel
+    def generate_firsts(
+        keys: wp.array(dtype=wp.int64),
+        offsets: wp.array2d(dtype=wp.int32),
+        sx: wp.int64,
+        sy: wp.int64,
+        sz: wp.int64,
+        table_keys: wp.array(dtype=wp.int64),
+        first: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+        marks: wp.array(dtype=wp.int32),
+    ):
+        # marks[k * n + i] = 1 where candidate (k, i) is its voxel's first (after generate_insert), else 0.
+        k, i = wp.tid()
+        n = wp.int64(keys.shape[0])
+        at = wp.int64(k) * n + wp.int64(i)
+        total = wp.int64(offsets.shape[0]) * n
+        key = generated(keys[i], offsets, wp.int64(k), sx, sy, sz)
+        mark = wp.int32(0)
+        if key >= wp.int64(0):
+            slot = floor_slot(key, table_keys, wp.int64(0), mask)
+            if slot >= wp.int64(0) and first[slot] == wp.int32(total - at):
+                mark = wp.int32(1)
+        marks[at] = mark
+
+    @wp.kernel
+    def generate_compact(
+        keys: wp.array(dtype=wp.int64),
+        offsets: wp.array2d(dtype=wp.int32),
+        sx: wp.int64,
+        sy: wp.int64,
+        sz: wp.int64,
+        table_keys: wp.array(dtype=wp.int64),
+        mask: wp.int64,
+        ranks: wp.array(dtype=wp.int32),
+        out_keys: wp.array(dtype=wp.int64),
+        out_coords: wp.array2d(dtype=wp.int32),
+        table_values: wp.array(dtype=wp.int32),
+    ):
+        # ranks: the marks' inclusive prefix sums. Each voxel's first candidate writes it at its rank,
+        # unpacked, and that rank into its table slot (its first-candidate value is read no more).
+        k, i = wp.tid()
+        n = wp.int64(keys.shape[0])
+        at = wp.int64(k) * n + wp.int64(i)
+        row = wp.int64(0)
+        if at > wp.int64(0):
+            row = wp.int64(ranks[at - wp.int64(1)])
+        if wp.int64(ranks[at]) == row:
+            return
+        key = generated(keys[i], offsets, wp.int64(k), sx, sy, sz)
+        out_keys[row] = key
+        field = coord_span - wp.int64(1)
+        out_coords[row, 0] = wp.int32(key >> (wp.int64(3) * coord_bits))
+        out_coords[row, 1] = wp.int32(((key >> (wp.int64(2) * coord_bits)) & field) - coord_bias)
+        out_coords[row, 2] = wp.int32(((key >> coord_bits) & field) - coord_bias)
+        out_coords[row, 3] = wp.int32((key & field) - coord_bias)
+        table_values[floor_slot(key, table_keys, wp.int64(0), mask)] = wp.int32(row)
+
+    @wp.func
     def map_lookup(coords: wp.array2d(dtype=wp.int32), row: wp.int64, offsets: wp.array2d(dtype=wp.int32),
                    k: wp.int64, table_keys: wp.array(dtype=wp.int64), table_values: wp.array(dtype=wp.int32),
                    base: wp.int64, mask: wp.int64) -> wp.int32:
@@ -301,4 +406,5 @@ def define() -> SimpleNamespace:
 
     return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
                            query_maps=query_maps, floor_insert=floor_insert,
-                           floor_firsts=floor_firsts, floor_compact=floor_compact)
+                           floor_firsts=floor_firsts, floor_compact=floor_compact, generate_insert=generate_insert,
+                           generate_firsts=generate_firsts, generate_compact=generate_compact)
