@@ -237,8 +237,9 @@ class KernelMap:
     uses: list[int] | None = None
     """The map plan's count of the products made on this map (a cell its record keeps, see :attr:`lone`)."""
     fill_hint: tuple[int, int] | None = None
-    """(pairs, table slots) of the last batch's map of a :attr:`lone` layer, read without a wait: the tuner's
-    key takes how full this map is from it rather than waiting for this map's counts (a host sync)."""
+    """(pairs, table slots) of the last batch's map under this map's key, for a map built when a layer asked
+    for it (not ahead), read without a wait: the tuner's key takes how full this map is from it rather than
+    waiting for this map's counts (a host sync). Set by the map plan (:mod:`.plan`)."""
 
     def unviewed(self) -> KernelMap:
         """This map as a new batch's build leaves it: its table, sizes, flags and pair counts, none of the

@@ -87,10 +87,12 @@ class Record:
         self.lone: MapSpec | None = None
         """The map of a lone layer (:attr:`KernelMap.lone`): the one map each of the last two batches
         asked for, each making one product on it."""
-        self.lone_fill: tuple[int, int] | None = None
-        """(pairs, table slots) of the last batch's lone map: the new one's :attr:`KernelMap.fill_hint`."""
-        self.lone_counts: tuple[HostCopy, int] | None = None
-        """This batch's lone map's pair counts on their way to the host (read by the next batch), and its slots."""
+        self.counts: dict[KernelMapKey, tuple[HostCopy, int]] = {}
+        """The pair counts of the maps this batch built itself (not ahead), on their way to the host without a
+        wait, with each map's table slots: the next batch's maps under the same keys take their fill from them
+        (:attr:`KernelMap.fill_hint`)."""
+        self.hints: dict[KernelMapKey, tuple[HostCopy, int]] = {}
+        """The last batch's :attr:`counts`."""
         self.keep_tables: set[Triple] = set()
         """Strides whose hash tables a query after the plan needed (here or in the last batches): the
         cache keeps them when it drops the others (:meth:`CoordinateCache._drop_tables`)."""
@@ -98,6 +100,9 @@ class Record:
             _history.setdefault(signature, collections.deque(maxlen=HISTORY)).append(self)
 
     def note(self, cache: CoordinateCache, key: KernelMapKey, kernel_map: KernelMap) -> None:
+        if not (kernel_map.each_input_once or kernel_map.each_output_once or kernel_map.transpose_of is not None
+                or "offset_counts" in kernel_map.__dict__):  # (pairs known, an adjoint's, counted ahead)
+            self._hint(key, kernel_map)
         spec = spec_of(cache, key)
         if spec is not None and spec not in self.specs:
             self.specs.append(spec)
@@ -105,13 +110,7 @@ class Record:
             kernel_map.on_call = self._calls_of(kernel_map, (spec, False)).setdefault
             kernel_map.plan_spec = spec
             kernel_map.uses = self.uses.setdefault(spec, [0])
-            if spec == self.lone:
-                kernel_map.lone, kernel_map.fill_hint = True, self.lone_fill
-                if not (kernel_map.each_input_once or kernel_map.each_output_once  # (their pairs: known)
-                        or "offset_counts" in kernel_map.__dict__):
-                    # Counted now and copied without a wait: the next batch's hint (this one's, if the
-                    # last batch's map left none, is read from it at once by the tuner's key).
-                    self.lone_counts = _count_pairs([kernel_map]), kernel_map.num_out * kernel_map.kernel_volume
+            kernel_map.lone = spec == self.lone
             self._count(kernel_map, (spec, False))
             _replay(kernel_map)
         source = kernel_map.transpose_of
@@ -121,6 +120,17 @@ class Record:
             kernel_map.on_call = self._calls_of(kernel_map, (source.plan_spec, True)).setdefault
             self._count(kernel_map, (source.plan_spec, True))
             _replay(kernel_map)
+
+    def _hint(self, key: KernelMapKey, kernel_map: KernelMap) -> None:
+        """A map built here, not ahead: its fill from the last batch's map under ``key`` (a network asks for its
+        maps in the same order every batch, so the same keys name the same layers' maps), and its own counts
+        started on their way to the host for the next batch. Its tuner keys then wait for no count of its own
+        (a host sync a map: 8 of a detection backbone's 18 a pass, its maps on generated sets not planned)."""
+        hint = self.hints.get(key)
+        if hint is not None:
+            copy, slots = hint
+            kernel_map.fill_hint = sum(copy.values()), slots  # copied during the last batch: no wait
+        self.counts[key] = _count_pairs([kernel_map]), kernel_map.num_out * kernel_map.kernel_volume
 
     def _calls_of(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> dict[Hashable, None]:
         """The recipes kept for ``which``: those prepared on this map ahead (its layers' first calls then
@@ -213,9 +223,8 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
     lone = len(plan) == 1 and len(earlier) == HISTORY
     if lone and all(r.specs == plan and r.uses[plan[0]] == [1] for r in earlier):
         record.lone = plan[0]
-        if earlier[-1].lone_counts is not None:  # copied during the last batch: no wait
-            copy, slots = earlier[-1].lone_counts
-            record.lone_fill = sum(copy.values()), slots
+    if earlier:
+        record.hints = earlier[-1].counts
     fresh = cache.set_count() == 1 and first.canonical and first.coords.shape[0] > 0
     # A plan of one map batches nothing, and the layer's own build of it takes fewer host steps (a lone
     # conv on new coordinates: 0.07-0.2 ms less for a submanifold map, 0.35-0.41 ms for a strided one,

@@ -258,8 +258,7 @@ def test_a_planned_batch_drops_its_hash_tables_but_those_queried_after_the_plan(
     keys = x.cache.keys(x.coord_id)
     assert keys.untyped_storage().nbytes() == keys.numel() * keys.element_size()
     planned = requests(x)
-    generated = x.cache.set_count() - 1  # the generative conv's set, made with its table (its maps' source)
-    assert set(x.cache._tables) == {x.coord_id, generated} and x.cache._record.keep_tables == {(1, 1, 1)}
+    assert set(x.cache._tables) == {x.coord_id} and x.cache._record.keep_tables == {(1, 1, 1)}
     monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
     y = batch(device, 6)
     assert_same_maps(planned, requests(y), x.cache, y.cache)
@@ -332,8 +331,8 @@ def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_
     maps = []
     requests(batch(device, 0))  # a network's batch
     assert [seen(seed) for seed in (1, 2, 3, 4)] == [False, False, True, True]
-    # The tuner's key takes a lone map's fill from the last batch's lone map (counted and copied then: no
-    # wait), the first lone map's from its own counts.
+    # The tuner's key takes a map's fill from the last batch's map under its key, where that one was built by its
+    # layer too (counted and copied then: no wait); the first lone map's counterpart was built ahead by the plan.
     previous = maps[-2]
     assert maps[-2].fill_hint is None and maps[-1].fill_hint == (sum(previous.pair_counts), previous.num_out * 27)
     assert [seen(seed, 2) for seed in (5, 6, 7)] == [True, False, False]
@@ -342,3 +341,24 @@ def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_
     x = batch(device, 12)
     requests(x)
     assert not any(kernel_map.lone for kernel_map in x.cache.kernel_maps())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_maps_built_by_their_layers_take_their_fill_from_the_last_batchs_maps_under_their_keys(device):
+    # A generative conv's map and the submanifold map on its set are not planned: each is built when its layer
+    # asks, and its tuner key would wait for its pair counts. It takes the last batch's counts under its key
+    # instead (copied during that batch), and starts its own for the next.
+    from sparseconv.nn import Sequential, SparseConv3d
+
+    net = Sequential(SparseConv3d(2, 3, 3, 2, generative=True), SparseConv3d(3, 3, 3)).to(device)
+    first, second = batch(device, 1), batch(device, 2)
+    with torch.no_grad():
+        net(first)
+        net(second)
+    before = {key: kernel_map for key, (kernel_map, _) in first.cache._maps.items()}
+    hinted = [(key, kernel_map) for key, (kernel_map, _) in second.cache._maps.items()]
+    assert len(hinted) == 2 and all(key.source > 0 or key.generative for key, _ in hinted)
+    for key, kernel_map in hinted:
+        old = before[key]
+        assert kernel_map.fill_hint == (sum(old.pair_counts), old.num_out * old.kernel_volume) != (
+            sum(kernel_map.pair_counts), kernel_map.num_out * kernel_map.kernel_volume)
