@@ -470,10 +470,9 @@ def generate_set(keys: torch.Tensor, offsets: torch.Tensor, stride: tuple[int, i
     marks = torch.empty((volume * n + 1,), dtype=torch.int32, device=device)  # the candidates' marks, then the flag
     flag = marks[-1:]
     flag.fill_(0)
-    _launch(kernels.generate_insert, (volume, n), [keys, offsets, *grid, table.keys, table.values, capacity - 1, flag],
-            device)
-    _launch(kernels.generate_firsts, (volume, n), [keys, offsets, *grid, table.keys, table.values, capacity - 1,
-                                                   marks[:-1]], device)
+    for out, mark in ((flag, 0), (marks[:-1], 1)):  # insert, then mark each voxel's first candidate
+        _launch(kernels.generate_cells, (volume, n), [keys, offsets, *grid, table.keys, table.values, capacity - 1,
+                                                      out, mark], device)
     ranks = marks[:-1]
     ranks.cumsum_(0)
     total, out_of_range = marks[-2:].tolist()  # the one host read

@@ -202,6 +202,28 @@ def define() -> SimpleNamespace:
         marks[wp.int64(level) * n + wp.int64(i)] = wp.where(
             slot >= wp.int64(0) and first[base + slot] == wp.int32(n - wp.int64(i)), wp.int32(1), wp.int32(0))
 
+    @wp.func
+    def ranked_row(ranks: wp.array(dtype=wp.int32), at: wp.int64) -> wp.int64:
+        """The row of entry ``at`` where it is its cell's first (its inclusive rank one above the entry
+        before's): its rank among every cell, else -1."""
+        row = wp.int64(0)
+        if at > wp.int64(0):
+            row = wp.int64(ranks[at - wp.int64(1)])
+        if wp.int64(ranks[at]) == row:
+            return wp.int64(-1)
+        return row
+
+    @wp.func
+    def write_cell(key: wp.int64, row: wp.int64, out_keys: wp.array(dtype=wp.int64),
+                   out_coords: wp.array2d(dtype=wp.int32)):
+        """A cell's packed key and its [batch, x, y, z] at ``row`` of the set's arrays."""
+        out_keys[row] = key
+        field = coord_span - wp.int64(1)
+        out_coords[row, 0] = wp.int32(key >> (wp.int64(3) * coord_bits))
+        out_coords[row, 1] = wp.int32(((key >> (wp.int64(2) * coord_bits)) & field) - coord_bias)
+        out_coords[row, 2] = wp.int32(((key >> coord_bits) & field) - coord_bias)
+        out_coords[row, 3] = wp.int32((key & field) - coord_bias)
+
     @wp.kernel
     def floor_compact(
         keys: wp.array(dtype=wp.int64),
@@ -219,23 +241,15 @@ def define() -> SimpleNamespace:
         # first-row value is read no more).
         level, i = wp.tid()
         n = wp.int64(keys.shape[0])
-        at = wp.int64(level) * n + wp.int64(i)
-        row = wp.int64(0)
-        if at > wp.int64(0):
-            row = wp.int64(ranks[at - wp.int64(1)])
-        if wp.int64(ranks[at]) == row:
+        row = ranked_row(ranks, wp.int64(level) * n + wp.int64(i))
+        if row < wp.int64(0):
             return
         start = wp.int64(0)  # the cells of the levels before
         if level > 0:
             start = wp.int64(ranks[wp.int64(level) * n - wp.int64(1)])
         key = keys[i] & masks[level]
         base = wp.int64(level) * (mask + wp.int64(1))
-        out_keys[row] = key
-        field = coord_span - wp.int64(1)
-        out_coords[row, 0] = wp.int32(key >> (wp.int64(3) * coord_bits))
-        out_coords[row, 1] = wp.int32(((key >> (wp.int64(2) * coord_bits)) & field) - coord_bias)
-        out_coords[row, 2] = wp.int32(((key >> coord_bits) & field) - coord_bias)
-        out_coords[row, 3] = wp.int32((key & field) - coord_bias)
+        write_cell(key, row, out_keys, out_coords)
         table_values[base + floor_slot(key, table_keys, base, mask)] = wp.int32(row - start)
 
     @wp.func
@@ -260,7 +274,7 @@ def define() -> SimpleNamespace:
         return (batch << (wp.int64(3) * coord_bits)) | (bx << (wp.int64(2) * coord_bits)) | (by << coord_bits) | bz
 
     @wp.kernel
-    def generate_insert(
+    def generate_cells(
         keys: wp.array(dtype=wp.int64),
         offsets: wp.array2d(dtype=wp.int32),
         sx: wp.int64,
@@ -269,46 +283,28 @@ def define() -> SimpleNamespace:
         table_keys: wp.array(dtype=wp.int64),
         first: wp.array(dtype=wp.int32),
         mask: wp.int64,
-        flags: wp.array(dtype=wp.int32),
+        out: wp.array(dtype=wp.int32),
+        mark: wp.int32,
     ):
-        # Thread (k, i): input row i moved by offset k, where on the grid, into the table; the slot's value
-        # keeps the voxel's first candidate (k * n + i, the smallest) as total - it, the largest (first
-        # filled with -1). flags[0] = 1 where a candidate on the grid leaves the packable range.
-        k, i = wp.tid()
-        n = wp.int64(keys.shape[0])
-        total = wp.int64(offsets.shape[0]) * n
-        key = generated(keys[i], offsets, wp.int64(k), sx, sy, sz)
-        if key == wp.int64(-2):
-            flags[0] = wp.int32(1)
-        if key >= wp.int64(0):
-            slot = floor_slot(key, table_keys, wp.int64(0), mask)
-            if slot >= wp.int64(0):
-                wp.atomic_max(first, slot, wp.int32(total - (wp.int64(k) * n + wp.int64(i))))
-
-    @wp.kernel
-    def generate_firsts(
-        keys: wp.array(dtype=wp.int64),
-        offsets: wp.array2d(dtype=wp.int32),
-        sx: wp.int64,
-        sy: wp.int64,
-        sz: wp.int64,
-        table_keys: wp.array(dtype=wp.int64),
-        first: wp.array(dtype=wp.int32),
-        mask: wp.int64,
-        marks: wp.array(dtype=wp.int32),
-    ):
-        # marks[k * n + i] = 1 where candidate (k, i) is its voxel's first (after generate_insert), else 0.
+        # Thread (k, i): input row i moved by offset k, where on the grid. Inserting (mark 0): into the table,
+        # the slot's value keeping the voxel's first candidate (k * n + i, the smallest) as total - it, the
+        # largest (first filled with -1), and out[0] = 1 where a candidate on the grid leaves the packable
+        # range. Marking (mark 1, after): out[k * n + i] = 1 where the candidate is its voxel's first, else 0.
         k, i = wp.tid()
         n = wp.int64(keys.shape[0])
         at = wp.int64(k) * n + wp.int64(i)
         total = wp.int64(offsets.shape[0]) * n
         key = generated(keys[i], offsets, wp.int64(k), sx, sy, sz)
-        mark = wp.int32(0)
+        slot = wp.int64(-1)
         if key >= wp.int64(0):
             slot = floor_slot(key, table_keys, wp.int64(0), mask)
-            if slot >= wp.int64(0) and first[slot] == wp.int32(total - at):
-                mark = wp.int32(1)
-        marks[at] = mark
+        if mark == wp.int32(0):
+            if key == wp.int64(-2):
+                out[0] = wp.int32(1)
+            if slot >= wp.int64(0):
+                wp.atomic_max(first, slot, wp.int32(total - at))
+        else:
+            out[at] = wp.where(slot >= wp.int64(0) and first[slot] == wp.int32(total - at), wp.int32(1), wp.int32(0))
 
     @wp.kernel
     def generate_compact(
@@ -324,23 +320,14 @@ def define() -> SimpleNamespace:
         out_coords: wp.array2d(dtype=wp.int32),
         table_values: wp.array(dtype=wp.int32),
     ):
-        # ranks: the marks' inclusive prefix sums. Each voxel's first candidate writes it at its rank,
-        # unpacked, and that rank into its table slot (its first-candidate value is read no more).
+        # ranks: generate_cells' marks' inclusive prefix sums. Each voxel's first candidate writes it at its
+        # rank, unpacked, and that rank into its table slot (its first-candidate value is read no more).
         k, i = wp.tid()
-        n = wp.int64(keys.shape[0])
-        at = wp.int64(k) * n + wp.int64(i)
-        row = wp.int64(0)
-        if at > wp.int64(0):
-            row = wp.int64(ranks[at - wp.int64(1)])
-        if wp.int64(ranks[at]) == row:
+        row = ranked_row(ranks, wp.int64(k) * wp.int64(keys.shape[0]) + wp.int64(i))
+        if row < wp.int64(0):
             return
         key = generated(keys[i], offsets, wp.int64(k), sx, sy, sz)
-        out_keys[row] = key
-        field = coord_span - wp.int64(1)
-        out_coords[row, 0] = wp.int32(key >> (wp.int64(3) * coord_bits))
-        out_coords[row, 1] = wp.int32(((key >> (wp.int64(2) * coord_bits)) & field) - coord_bias)
-        out_coords[row, 2] = wp.int32(((key >> coord_bits) & field) - coord_bias)
-        out_coords[row, 3] = wp.int32((key & field) - coord_bias)
+        write_cell(key, row, out_keys, out_coords)
         table_values[floor_slot(key, table_keys, wp.int64(0), mask)] = wp.int32(row)
 
     @wp.func
@@ -406,5 +393,5 @@ def define() -> SimpleNamespace:
 
     return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
                            query_maps=query_maps, floor_insert=floor_insert,
-                           floor_firsts=floor_firsts, floor_compact=floor_compact, generate_insert=generate_insert,
-                           generate_firsts=generate_firsts, generate_compact=generate_compact)
+                           floor_firsts=floor_firsts, floor_compact=floor_compact, generate_cells=generate_cells,
+                           generate_compact=generate_compact)

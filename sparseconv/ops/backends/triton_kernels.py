@@ -51,6 +51,20 @@ def _define() -> SimpleNamespace:
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def _gather_dot(acc, a_ptr, w_ptr, idx, k, ck, ck_ok, cols, col_ok, reduce_dim, stride_wk, stride_wr, stride_wo,
+                    PRECISION: tl.constexpr):
+        """``acc`` plus the rows ``idx`` of A (-1: none) times W_k, over the reduce columns ``ck``."""
+        src = idx.to(tl.int64) * reduce_dim
+        a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=(idx >= 0)[:, None] & ck_ok[None, :], other=0.0)
+        w = tl.load(
+            w_ptr + k * stride_wk + ck[:, None] * stride_wr + cols[None, :] * stride_wo,
+            mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
+        )
+        return acc + tl.dot(a, w, input_precision=PRECISION)
+
+    globals().update(_gather_dot=_gather_dot)  # found by the interpreter (see _entry's)
+
     # Row counts, list lengths and view offsets change with every point cloud: not specialised on
     # (Triton would compile a second binary whenever one turns divisible by 16), channels and
     # strides are, since vector loads need them.
@@ -84,13 +98,8 @@ def _define() -> SimpleNamespace:
             ck_ok = ck < reduce_dim
             idx = tl.load(slots + j * BLOCK_M)
             k = tl.load(active_ptr + pid_m * list_len + j)
-            src = idx.to(tl.int64) * reduce_dim
-            a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=(idx >= 0)[:, None] & ck_ok[None, :], other=0.0)
-            w = tl.load(
-                w_ptr + k * stride_wk + ck[:, None] * stride_wr + cols[None, :] * stride_wo,
-                mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
-            )
-            acc += tl.dot(a, w, input_precision=PRECISION)
+            acc = _gather_dot(acc, a_ptr, w_ptr, idx, k, ck, ck_ok, cols, col_ok, reduce_dim, stride_wk, stride_wr,
+                              stride_wo, PRECISION)
         slot = pid_m * BLOCK_M + lanes
         slot_ok = slot < n_rows
         rows = tl.load(rows_ptr + slot, mask=slot_ok, other=0).to(tl.int64)
@@ -140,13 +149,8 @@ def _define() -> SimpleNamespace:
             ck = (t - s * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
             ck_ok = ck < reduce_dim
             idx = tl.load(entries + k, mask=row_ok, other=-1)  # in L1 since the tile's load
-            src = idx.to(tl.int64) * reduce_dim
-            a = tl.load(a_ptr + src[:, None] + ck[None, :], mask=(idx >= 0)[:, None] & ck_ok[None, :], other=0.0)
-            w = tl.load(
-                w_ptr + k * stride_wk + ck[:, None] * stride_wr + cols[None, :] * stride_wo,
-                mask=ck_ok[:, None] & col_ok[None, :], other=0.0,
-            )
-            acc += tl.dot(a, w, input_precision=PRECISION)
+            acc = _gather_dot(acc, a_ptr, w_ptr, idx, k, ck, ck_ok, cols, col_ok, reduce_dim, stride_wk, stride_wr,
+                              stride_wo, PRECISION)
         out = out_ptr + rows[:, None] * out_dim + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
