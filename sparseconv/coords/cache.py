@@ -266,25 +266,15 @@ class CoordinateCache:
         unit = out_stride if key.transposed else source.stride
         step = tuple(d * u for d, u in zip(key.dilation, unit))
         shift = _offsets(key.kernel_size, step, 1 if key.transposed else -1, self.device)
-        if source.coords.shape[0]:
-            # Hash inserts of the candidates on the grid (one host read), where torch's candidates, filter,
-            # range check and unique took 3-4 host syncs a conv. Not its table: sized for every candidate
-            # (8 a row for k3 s2), it would hold ~8x the memory of the one a map on the set builds.
-            on_grid = math.prod((k - 1) * s // o + 1 for k, s, o in zip(key.kernel_size, step, out_stride))
-            made = generate_set(self.keys(key.source), shift, out_stride, min(on_grid, shift.shape[0]))
-            if made.out_of_range:
-                raise ValueError("generative conv: the generated output coordinates leave the supported range: "
-                                 f"x, y, z in [{COORD_MIN}, {COORD_MAX}] (in voxel units of stride 1)")
-            return self.add(made.coords, out_stride, canonical=False, keys=made.keys)
-        xyz = (source.coords[:, None, 1:] + shift[None]).reshape(-1, 3)
-        batch = source.coords[:, None, :1].expand(-1, shift.shape[0], 1).reshape(-1, 1)
-        candidates = torch.cat([batch, xyz], dim=1)
-        on_grid = (xyz % _on_device(out_stride, self.device) == 0).all(dim=1)
-        candidates = candidates[on_grid]
-        problem = range_violation(candidates)
-        if problem is not None:
-            raise ValueError(f"generative conv: the generated output coordinates leave the supported range: {problem}")
-        return self.add(_unique_rows(candidates), out_stride, canonical=False)
+        # Hash inserts of the candidates on the grid (one host read), where torch's candidates, filter, range
+        # check and unique took 3-4 host syncs a conv. Not its table: sized for every candidate (8 a row for
+        # k3 s2), it would hold ~8x the memory of the one a map on the set builds.
+        on_grid = math.prod((k - 1) * s // o + 1 for k, s, o in zip(key.kernel_size, step, out_stride))
+        made = generate_set(self.keys(key.source), shift, out_stride, min(on_grid, shift.shape[0]))
+        if made.out_of_range:
+            raise ValueError("generative conv: the generated output coordinates leave the supported range: "
+                             f"x, y, z in [{COORD_MIN}, {COORD_MAX}] (in voxel units of stride 1)")
+        return self.add(made.coords, out_stride, canonical=False, keys=made.keys)
 
 
 def _unique_rows(coords: torch.Tensor) -> torch.Tensor:

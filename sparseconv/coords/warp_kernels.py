@@ -263,15 +263,10 @@ def define() -> SimpleNamespace:
         z = (key & field) - coord_bias + wp.int64(offsets[k, 2])
         if x % sx != wp.int64(0) or y % sy != wp.int64(0) or z % sz != wp.int64(0):  # (C's %: 0 for multiples)
             return wp.int64(-1)
-        bx = x + coord_bias
-        by = y + coord_bias
-        bz = z + coord_bias
-        if bx < wp.int64(0) or bx >= coord_span or by < wp.int64(0) or by >= coord_span:
+        moved = pack(wp.int32(key >> (wp.int64(3) * coord_bits)), wp.int32(x), wp.int32(y), wp.int32(z))
+        if moved < wp.int64(0):
             return wp.int64(-2)
-        if bz < wp.int64(0) or bz >= coord_span:
-            return wp.int64(-2)
-        batch = key >> (wp.int64(3) * coord_bits)
-        return (batch << (wp.int64(3) * coord_bits)) | (bx << (wp.int64(2) * coord_bits)) | (by << coord_bits) | bz
+        return moved
 
     @wp.kernel
     def generate_cells(
