@@ -318,3 +318,27 @@ def test_checked_build_flags_exactly_what_the_input_breaks_and_builds_the_table(
     shift = torch.tensor([[0, 0, 0], [stride, 0, 0]], dtype=torch.int32, device=device)
     assert torch.equal(table.neighbors(coords, shift), reference.neighbors(coords, shift))
     assert table.neighbors(coords, shift)[:, 0].tolist() == list(range(len(coords)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_unviewed_map_shares_the_table_and_counts_but_no_view(device):
+    # What a lone map's candidates are timed on (tune/sweep.as_run): a new batch's map, as its build leaves it.
+    torch.manual_seed(0)
+    coords = torch.unique(torch.randint(0, 8, (200, 4), device=device, dtype=torch.int32) * torch.tensor(
+        [0, 2, 2, 2], device=device, dtype=torch.int32), dim=0)
+    x = SparseTensor(coords, torch.zeros(len(coords), 1, device=device))
+    for geometry in (((3, 3, 3), (1, 1, 1)), ((2, 2, 2), (2, 2, 2))):
+        kernel_map = x.cache.kernel_map(KernelMapKey(x.coord_id, *geometry, (1, 1, 1), False, False))[0]
+        kernel_map.lone, kernel_map.fill_hint = True, (5, 50)
+        counts, pairs = kernel_map.pair_counts, kernel_map.pairs
+        kernel_map.derived(("a view",), lambda m: 1)
+        for source in (kernel_map, kernel_map.transposed()):
+            copy = source.unviewed()
+            assert copy is not source and copy._derived == {} and copy.calls == {} and "pairs" not in copy.__dict__
+            assert torch.equal(copy.neighbors, source.neighbors) and copy.pair_counts == counts
+            assert (copy.num_in, copy.num_out, copy.identity_offset, copy.each_input_once, copy.each_output_once) == (
+                source.num_in, source.num_out, source.identity_offset, source.each_input_once, source.each_output_once)
+            assert (copy.transpose_of is None) == (source.transpose_of is None)
+        unviewed = kernel_map.unviewed()
+        assert (unviewed.lone, unviewed.fill_hint) == (True, (5, 50)) and unviewed.neighbors is kernel_map.neighbors
+        assert [torch.equal(a, b) for a, b in zip(unviewed.pairs, pairs)] == [True] * 3  # built again, the same
