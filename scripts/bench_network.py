@@ -105,6 +105,11 @@ def ours_model(pins: dict | None = None, model: str = "minkunet", coords: torch.
     return net
 
 
+def anchor_cbr(spc, conv: nn.Module, channels: int) -> nn.Module:
+    """spconv's conv, BatchNorm1d and ReLU in one SparseSequential (both anchor networks build theirs so)."""
+    return spc.SparseSequential(conv, nn.BatchNorm1d(channels), nn.ReLU(inplace=True))
+
+
 class AnchorMinkUNet(nn.Module):
     """The same network in spconv's API (spconv-triton shares it): indice keys name each map so the
     decoder's inverse convs reuse the encoder's maps, as spconv users write it."""
@@ -115,7 +120,7 @@ class AnchorMinkUNet(nn.Module):
         extra = {} if algo is None else {"algo": algo}
 
         def cbr(conv, c):
-            return spc.SparseSequential(conv, nn.BatchNorm1d(c), nn.ReLU(inplace=True))
+            return anchor_cbr(spc, conv, c)
 
         self.stem = spc.SparseSequential(cbr(spc.SubMConv3d(IN_CHANNELS, stem, 3, bias=False, indice_key="s0", **extra), stem),
                                          cbr(spc.SubMConv3d(stem, stem, 3, bias=False, indice_key="s0", **extra), stem))
@@ -164,7 +169,7 @@ class AnchorBackbone(nn.Module):
         extra = {} if algo is None else {"algo": algo}
 
         def cbr(conv, c):
-            return spc.SparseSequential(conv, nn.BatchNorm1d(c), nn.ReLU(inplace=True))
+            return anchor_cbr(spc, conv, c)
 
         self.stem = cbr(spc.SubMConv3d(IN_CHANNELS, channels[0], 3, bias=False, indice_key="s0", **extra), channels[0])
         self.down, self.blocks = nn.ModuleList(), nn.ModuleList()

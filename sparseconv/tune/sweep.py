@@ -108,6 +108,7 @@ def sweep(
             store(results)
     return results
 
+
 def as_run(kernel_map, problem: ConvProblem):
     """The map a timed call runs on: for a lone map's product (:attr:`ConvProblem.lone`), the map without
     its views (:meth:`~sparseconv.coords.kernel_map.KernelMap.unviewed`), so that each call builds the views

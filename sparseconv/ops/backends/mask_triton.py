@@ -228,7 +228,12 @@ TILES = [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128
 
 
 def _params(tile: int, sort: bool = True, splits: int = 1) -> dict:
-    m, n, k, nw, st = TILES[tile]
+    return _tile_params(TILES[tile], sort, splits)
+
+
+def _tile_params(tile: tuple[int, int, int, int, int], sort: bool, splits: int) -> dict:
+    """The parameter set of a (block_m, block_n, block_k, num_warps, num_stages) tile."""
+    m, n, k, nw, st = tile
     return {"block_m": m, "block_n": n, "block_k": k, "num_warps": nw, "num_stages": st, "sort": sort,
             "splits": splits}
 
@@ -241,9 +246,7 @@ table's order, where no sort groups rows of equal masks: fewer the fewer rows it
 def _table_params(tile: int, sort: bool = False) -> dict:
     """A tile of :data:`TABLE_TILES` without a tile plan (:func:`planned` False): the rows in the table's
     order or sorted by mask, one group."""
-    m, n, k, nw, st = TABLE_TILES[tile]
-    return {"block_m": m, "block_n": n, "block_k": k, "num_warps": nw, "num_stages": st, "sort": sort,
-            "splits": 1, "plan": False}
+    return {**_tile_params(TABLE_TILES[tile], sort, 1), "plan": False}
 
 
 # Every tile sorted and unsorted in one pass, then sorted in 2 and 3 offset groups, then over the table alone.
