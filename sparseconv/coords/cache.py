@@ -49,6 +49,7 @@ class CoordinateCache:
         self._dropped: set[int] = set()  # sets whose hash tables went once the plan's maps were built
         self._moved: weakref.WeakValueDictionary[str, CoordinateCache] = weakref.WeakValueDictionary()
         self._checks: Callable[[], int] | None = None
+        self._origins: dict[int, tuple] = {}  # generated sets: how the input's canonical sets generate them
 
     def add(self, coords: torch.Tensor, stride: Triple, canonical: bool, keys: torch.Tensor | None = None,
             table: CoordHashTable | None = None) -> int:
@@ -101,6 +102,12 @@ class CoordinateCache:
     def set_count(self) -> int:
         return len(self._sets)
 
+    def origin(self, set_id: int) -> tuple | None:
+        """How a generated set comes from the batch's canonical sets: ``(stride, *steps)``, the canonical set
+        at ``stride`` through generative convs of ``(kernel_size, stride, dilation)`` each; None for
+        other sets (canonical ones, those of a generative transposed conv or from a set without an origin)."""
+        return self._origins.get(set_id)
+
     def canonical(self, stride: Triple) -> int | None:
         """Id of the canonical coordinate set at ``stride``, if any tensor of the batch has one."""
         return self._canonical.get(stride)
@@ -134,7 +141,7 @@ class CoordinateCache:
                 self._drop_tables()
         hit = self._planned.pop(key, None)
         if hit is None:
-            hit = self._build(key)
+            hit = self.build(key)
         self.settle()  # a map of bad coordinates is never returned
         self._record.note(self, key, hit[0])
         return hit
@@ -187,7 +194,9 @@ class CoordinateCache:
         sets = ", ".join(f"{i}: stride {s.stride} N={s.coords.shape[0]}" for i, s in enumerate(self._sets))
         return f"CoordinateCache({self.device}, sets {{{sets}}}, {len(self._maps)} kernel maps)"
 
-    def _build(self, key: KernelMapKey) -> tuple[KernelMap, int]:
+    def build(self, key: KernelMapKey) -> tuple[KernelMap, int]:
+        """The map of ``key`` and its output set id, built now (not kept: :meth:`kernel_map` keeps what
+        it returns; the map plan builds its maps on generated sets ahead with this)."""
         source = self._sets[key.source]
         out_id = self._output_set(key, source)
         if key.transposed and not key.generative and self._canonical.get(source.stride) == key.source:
@@ -274,7 +283,11 @@ class CoordinateCache:
         if made.out_of_range:
             raise ValueError("generative conv: the generated output coordinates leave the supported range: "
                              f"x, y, z in [{COORD_MIN}, {COORD_MAX}] (in voxel units of stride 1)")
-        return self.add(made.coords, out_stride, canonical=False, keys=made.keys)
+        out_id = self.add(made.coords, out_stride, canonical=False, keys=made.keys)
+        origin = (source.stride,) if source.canonical else self._origins.get(key.source)
+        if origin is not None and not key.transposed:
+            self._origins[out_id] = (*origin, (key.kernel_size, key.stride, key.dilation))
+        return out_id
 
 
 def _unique_rows(coords: torch.Tensor) -> torch.Tensor:

@@ -43,16 +43,34 @@ HISTORY = 2
 
 
 class MapSpec(NamedTuple):
-    """A regular (not transposed, not generative) map from the canonical set at ``source_stride``."""
+    """A regular (not transposed) map from the set at ``source_stride``: the canonical one, or where
+    ``origin`` is given the generated one it names (:meth:`~.cache.CoordinateCache.origin`); a
+    ``generative`` map's output set is generated (its origin :attr:`output_origin`)."""
 
     source_stride: Triple
     kernel_size: Triple
     stride: Triple
     dilation: Triple
+    origin: tuple = ()
+    generative: bool = False
 
     @property
     def output_stride(self) -> Triple:
         return _times(self.source_stride, self.stride)
+
+    @property
+    def generated(self) -> bool:
+        """Whether the map reads or makes a generated set (built by :func:`_generated_maps`)."""
+        return self.generative or bool(self.origin)
+
+    @property
+    def base_stride(self) -> Triple:
+        """The stride of the canonical set the map's sets come from."""
+        return self.origin[0] if self.origin else self.source_stride
+
+    @property
+    def output_origin(self) -> tuple:
+        return (*(self.origin or (self.source_stride,)), (self.kernel_size, self.stride, self.dilation))
 
 
 _history: dict[tuple[str, Triple], collections.deque] = {}
@@ -249,14 +267,16 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
 
 
 def spec_of(cache: CoordinateCache, key: KernelMapKey) -> MapSpec | None:
-    """The plannable description of ``key``, or None (transposed maps are adjoints of strided ones,
-    generated and non-canonical sets depend on more than the input)."""
-    if key.transposed or key.generative:
+    """The plannable description of ``key``, or None: transposed maps are adjoints of strided ones; a set
+    neither canonical nor generated from one depends on more than the input, and so does the output of a
+    strided, not generative map from a generated set."""
+    if key.transposed:
         return None
     source = cache.coord_set(key.source)
-    if not source.canonical:
+    origin = () if source.canonical else cache.origin(key.source)
+    if origin is None or (origin and not key.generative and key.stride != (1, 1, 1)):
         return None
-    return MapSpec(source.stride, key.kernel_size, key.stride, key.dilation)
+    return MapSpec(source.stride, key.kernel_size, key.stride, key.dilation, origin, key.generative)
 
 
 def prebuild(cache: CoordinateCache, plan: list[MapSpec],
@@ -271,17 +291,20 @@ def prebuild(cache: CoordinateCache, plan: list[MapSpec],
     base = cache.coord_set(0).stride
     strides = [base]
     for spec in plan:
-        for stride in (spec.source_stride, spec.output_stride):
+        for stride in (spec.base_stride,) if spec.generated else (spec.source_stride, spec.output_stride):
             if stride not in strides and len(strides) <= MAX_LEVELS and _floorable(stride, base):
                 strides.append(stride)
-    plan = [spec for spec in plan if spec.source_stride in strides and spec.output_stride in strides]
+    plan = [spec for spec in plan if spec.base_stride in strides and (spec.generated or spec.output_stride in strides)]
     if not plan:
         return {}
     levels = _add_levels(cache, strides[1:]) if len(strides) > 1 else None
     ids = {stride: cache.canonical(stride) for stride in strides}
+    regular = [spec for spec in plan if not spec.generated]
+    keys = {spec: _key_of(spec, ids) for spec in regular}
     built: dict[KernelMapKey, tuple[KernelMap, int]] = {}
-    for start in range(0, len(plan), MAX_MAPS):
-        built.update(_query(cache, plan[start: start + MAX_MAPS], ids, base, levels))
+    for start in range(0, len(regular), MAX_MAPS):
+        built.update(_query(cache, regular[start: start + MAX_MAPS], ids, base, levels))
+    built.update(_generated_maps(cache, [spec for spec in plan if spec.generated], ids, keys))
     _count_pairs([kernel_map for kernel_map, _ in built.values()])
     # Per planned map and its adjoint (made here where the last batches' layers used views of it): the views
     # to build and the products to prepare.
@@ -289,11 +312,11 @@ def prebuild(cache: CoordinateCache, plan: list[MapSpec],
     calls = calls if _call_builder is not None else None
     wanted, prepared = [], []
     for spec in plan if views or calls else ():
-        hit = built.get(_key_of(spec, ids))
+        hit = built.get(keys.get(spec))
         if hit is None:
             continue
         adjoint = None
-        if views and views.get((spec, True)) and hit[0].identity_offset is None:
+        if views and views.get((spec, True)) and hit[0].identity_offset is None and not spec.generated:
             adjoint = hit[0].transposed()
             up = KernelMapKey(ids[spec.output_stride], spec.kernel_size, spec.stride, spec.dilation, True, False)
             built[up] = (adjoint, ids[spec.source_stride])
@@ -392,6 +415,27 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
         if table_t is not None:
             kernel_map.__dict__["transposed_neighbors"] = table_t
         built[key] = (kernel_map, out_id)
+    return built
+
+
+def _generated_maps(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
+                    keys: dict[MapSpec, KernelMapKey]) -> dict[KernelMapKey, tuple[KernelMap, int]]:
+    """The maps of ``specs`` that read or make generated sets (a detection backbone's: its strided convs
+    generative, its blocks on their sets), as the layers' own builds make them, each set before the maps
+    that read it: a set's size is one host read (its layer's would be the same one), a map one query.
+    Planned, their pair counts go to the host in the plan's one copy and their views and products are
+    built with the other maps' (a backbone's 8 maps each built by its layer: ~4 ms of host time a pass).
+    Records each built spec's key in ``keys``."""
+    made: dict[tuple, int] = {}  # the generated sets by origin
+    built = {}
+    for spec in sorted(specs, key=lambda spec: len(spec.origin)):  # a set's origin is longer than its maker's
+        source = made.get(spec.origin) if spec.origin else ids.get(spec.source_stride)
+        if source is None:  # (its maker was not planned)
+            continue
+        key = keys[spec] = KernelMapKey(source, spec.kernel_size, spec.stride, spec.dilation, False, spec.generative)
+        built[key] = cache.build(key)
+        if spec.generative:
+            made[spec.output_origin] = built[key][1]
     return built
 
 

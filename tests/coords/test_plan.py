@@ -14,11 +14,13 @@ from sparseconv.coords import kernel_map as kernel_map_module
 from sparseconv.coords.hashing import CoordHashTable, MapQuery, pack_coords
 
 # A small U-Net's requests: submanifold 3^3 on four levels, k2 s2 down between them, the k2 s2
-# transposed convs back up, a dilated and an anisotropic map, a generative one and a stride 3 map
-# (neither planned: both are built lazily beside the plan).
+# transposed convs back up, a dilated and an anisotropic map; a detection backbone's generative k3 s2
+# convs, one from the other's set, and a submanifold map on each generated set (all planned); a stride 3
+# map (not planned: built lazily beside the plan).
 SUBM = ((3, 3, 3), (1, 1, 1), (1, 1, 1), False, False)
 DOWN = ((2, 2, 2), (2, 2, 2), (1, 1, 1), False, False)
 UP = ((2, 2, 2), (2, 2, 2), (1, 1, 1), True, False)
+GENERATE = ((3, 3, 3), (2, 2, 2), (1, 1, 1), False, True)
 
 
 def requests(x: SparseTensor) -> list:
@@ -42,8 +44,11 @@ def requests(x: SparseTensor) -> list:
     for coarse in reversed(sources[:-1]):
         source = ask(source, UP)
         assert source == coarse
+    generated = sources[0]
+    for _ in range(2):
+        generated = ask(generated, GENERATE)
+        ask(generated, SUBM)
     ask(sources[0], ((3, 3, 3), (3, 3, 3), (1, 1, 1), False, False))  # stride 3: not a power of two
-    ask(sources[0], ((2, 2, 2), (2, 2, 2), (1, 1, 1), False, True))  # generative
     return asked
 
 
@@ -77,9 +82,9 @@ def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, one_launch, mo
     for seed in (1, 2):
         x = batch(device, seed)  # new coordinates: every planned map is built at the first request
         planned = requests(x)
-        assert len(prebuilt[-1]) == 9  # 4 + 1 dilated + 1 anisotropic subm, 3 down
+        assert len(prebuilt[-1]) == 13  # 4 + 1 dilated + 1 anisotropic subm, 3 down, 2 generative, 2 subm on theirs
         assert x.cache._planned == {}, "a planned map was never asked for"
-        strided = [m for key, m in prebuilt[-1].items() if key.stride != (1, 1, 1)]
+        strided = [m for key, m in prebuilt[-1].items() if key.stride != (1, 1, 1) and not key.generative]
         assert len(strided) == 3 and all(("transposed_neighbors" in m.__dict__) == one_launch for m, _ in strided)
         monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
         y = batch(device, seed)
@@ -123,21 +128,22 @@ def test_a_planned_batch_builds_its_sets_and_tables_at_once_reading_the_host_onc
     monkeypatch.setattr(torch.Tensor, "tolist",
                         lambda self: self.device.type == device and reads.append(self.shape) or tolist(self))
     x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
-    # Three coarse sets and their tables in one insert launch; no per-set insert; one read of the device,
-    # for their sizes: the pair counts (and a GPU input's checks) are copied without waiting, and read
-    # where first needed (from pinned host memory).
+    # Three coarse sets and their tables in one insert launch; one read of the device for their sizes and
+    # one for each generated set's (as its layer's build reads it); the generated sets' tables (for the maps
+    # on them) one insert each. The pair counts (and a GPU input's checks) are copied without waiting, and
+    # read where first needed (from pinned host memory).
     names = [key.rsplit("__", 1)[-1] for key in launches]
-    assert names.count("floor_insert") == 1 and "insert" not in names
-    assert len(reads) == 1
-    assert x.cache.set_count() == 4  # the input, strides 2, 4, 8 (stride 3 and the generated set: lazily)
+    assert names.count("floor_insert") == 1 and names.count("insert") == 2 and names.count("generate_compact") == 2
+    assert len(reads) == 3
+    assert x.cache.set_count() == 6  # the input, strides 2, 4, 8, two generated sets (stride 3: lazily)
     # Every planned map's pair counts come from that one copy, its adjoint's too (the wgrad
     # backends read them in a training step's backward): one copy for all of them, read on the host.
     planned = [kernel_map for kernel_map, _ in x.cache._planned.values()]
-    assert len(planned) == 8  # the first request's map is handed out already
+    assert len(planned) == 12  # the first request's map is handed out already
     for kernel_map in planned:
         assert kernel_map.pair_counts == kernel_map.transposed().pair_counts == (kernel_map.neighbors >= 0).sum(0).tolist()
     # the counts' one read (on a GPU from pinned host memory: no read of the device) and the comparisons'
-    assert len(reads) == (2 if device == "cpu" else 1) + len(planned)
+    assert len(reads) == (4 if device == "cpu" else 3) + len(planned)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -158,9 +164,9 @@ def test_only_a_batchs_first_set_is_planned_from(device):
     requests(batch(device, 0))
     x = batch(device, 6)
     coarse = x.cache.kernel_map(KernelMapKey(x.coord_id, *DOWN))[1]
-    assert x.cache.set_count() == 4  # planned at the first request
+    assert x.cache.set_count() == 6  # planned at the first request
     moved = x.cache.to("meta") if device == "cpu" else x.cache.to("cpu")
-    assert moved.set_count() == 4 and moved._record is None  # a moved cache keeps its sets; builds lazily
+    assert moved.set_count() == 6 and moved._record is None  # a moved cache keeps its sets; builds lazily
     assert coarse == x.cache.canonical((2, 2, 2))
 
 
@@ -248,12 +254,12 @@ def test_a_record_keeps_only_the_views_a_builder_makes(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_planned_batch_drops_its_hash_tables_but_those_queried_after_the_plan(device, monkeypatch):
     # Once the plan has queried its maps the sets' hash tables only take memory (through the forward
-    # pass's peak): they go, and a map the plan does not make (stride 3, generative: from the input
-    # set) builds its source's table again, which the next batches then keep.
+    # pass's peak): they go, and a map the plan does not make (stride 3: from the input set) builds its
+    # source's table again, which the next batches then keep.
     requests(batch(device, 0))
     x = batch(device, 6)
     x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
-    assert x.cache._tables == {} and len(x.cache._dropped) == 4
+    assert x.cache._tables == {} and len(x.cache._dropped) == 6  # the input's, 3 coarse and 2 generated sets
     # nothing holds the input's table through its keys (one allocation in the checks' kernel)
     keys = x.cache.keys(x.coord_id)
     assert keys.untyped_storage().nbytes() == keys.numel() * keys.element_size()
@@ -265,7 +271,7 @@ def test_a_planned_batch_drops_its_hash_tables_but_those_queried_after_the_plan(
     monkeypatch.delenv("SPARSECONV_PLAN_MAPS")
     z = batch(device, 7)
     z.cache.kernel_map(KernelMapKey(z.coord_id, *SUBM))
-    assert set(z.cache._tables) == {z.coord_id} and len(z.cache._dropped) == 3
+    assert set(z.cache._tables) == {z.coord_id} and len(z.cache._dropped) == 5
 
 
 @pytest.mark.gpu
@@ -344,12 +350,13 @@ def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_maps_built_by_their_layers_take_their_fill_from_the_last_batchs_maps_under_their_keys(device):
-    # A generative conv's map and the submanifold map on its set are not planned: each is built when its layer
-    # asks, and its tuner key would wait for its pair counts. It takes the last batch's counts under its key
+def test_maps_built_by_their_layers_take_their_fill_from_the_last_batchs_maps_under_their_keys(device, monkeypatch):
+    # Maps not planned (here: planning off) are built when their layers ask, and their tuner keys would wait
+    # for their pair counts. It takes the last batch's counts under its key
     # instead (copied during that batch), and starts its own for the next.
     from sparseconv.nn import Sequential, SparseConv3d
 
+    monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")  # (planned, their counts are copied with the plan's)
     net = Sequential(SparseConv3d(2, 3, 3, 2, generative=True), SparseConv3d(3, 3, 3)).to(device)
     first, second = batch(device, 1), batch(device, 2)
     with torch.no_grad():
@@ -362,3 +369,50 @@ def test_maps_built_by_their_layers_take_their_fill_from_the_last_batchs_maps_un
         old = before[key]
         assert kernel_map.fill_hint == (sum(old.pair_counts), old.num_out * old.kernel_volume) != (
             sum(kernel_map.pair_counts), kernel_map.num_out * kernel_map.kernel_volume)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_detection_backbones_maps_on_generated_sets_are_planned_as_its_layers_build_them(device, monkeypatch):
+    # spconv's downsampling (generative k3 s2 convs, then the height conv's): every map but the stem's reads or
+    # makes a generated set. From the second batch the plan builds them all at the first request, each set
+    # and map as the layer's own build makes it; the pass gives what it gives with every map built by its layer.
+    from sparseconv.models import SparseResNetBackbone
+
+    torch.manual_seed(3)
+    net = SparseResNetBackbone(2, channels=(4, 4, 4), blocks=1, out_channels=4, generative_down=True).to(device).eval()
+    prebuilt = []
+    prebuild = plan.prebuild
+    monkeypatch.setattr(plan, "prebuild", lambda *args: prebuilt.append(dict(prebuild(*args))) or dict(prebuilt[-1]))
+    with torch.no_grad():
+        net(batch(device, 1))
+        assert prebuilt == []  # the first batch makes the plan
+        x = batch(device, 2)
+        planned = net(x)
+        monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
+        y = batch(device, 2)
+        lazy = net(y)
+    assert len(prebuilt) == 1 and set(prebuilt[0]) == set(x.cache._maps) and x.cache._planned == {}
+    assert len(x.cache._maps) == 6 and sum(key.generative for key in x.cache._maps) == 3  # 3 submanifold maps
+    assert list(x.cache._maps) == list(y.cache._maps)
+    for key, (kernel_map, out_id) in x.cache._maps.items():
+        other, other_out = y.cache._maps[key]
+        assert out_id == other_out and torch.equal(x.cache.coord_set(out_id).coords, y.cache.coord_set(other_out).coords)
+        assert torch.equal(kernel_map.neighbors, other.neighbors) and kernel_map.pair_counts == other.pair_counts
+    torch.testing.assert_close(planned.bev, lazy.bev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_maps_whose_sets_the_input_alone_makes_are_planned(device):
+    # A generated set's origin is the canonical set and the generative convs that made it; a floor of a
+    # generated set, a transposed conv's set and a set from a generative transposed conv have none.
+    x = batch(device, 4)
+    cache = x.cache
+    generated = cache.kernel_map(KernelMapKey(x.coord_id, *GENERATE))[1]
+    assert cache.origin(generated) == ((1, 1, 1), GENERATE[:3])
+    assert plan.spec_of(cache, KernelMapKey(generated, *SUBM)).origin == cache.origin(generated)
+    again = cache.kernel_map(KernelMapKey(generated, *GENERATE))[1]
+    assert cache.origin(again) == ((1, 1, 1), GENERATE[:3], GENERATE[:3])
+    assert plan.spec_of(cache, KernelMapKey(generated, *DOWN)) is None
+    assert plan.spec_of(cache, KernelMapKey(generated, *UP)) is None
+    up = cache.kernel_map(KernelMapKey(generated, (3, 3, 3), (2, 2, 2), (1, 1, 1), True, True))[1]
+    assert cache.origin(up) is None and plan.spec_of(cache, KernelMapKey(up, *SUBM)) is None
