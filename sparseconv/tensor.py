@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ._args import Triple, triple
-from .coords.cache import CoordinateCache
+from .coords.cache import CoordinateCache, on_device
 from .coords.hashing import CoordHashTable, range_violation_of, unpack_keys
 from .coords.kernel_map import HostCopy
 
@@ -128,29 +128,26 @@ class SparseTensor:
         shape: the spatial size (X, Y, Z); default just covers every coordinate.
         """
         self.cache.settle()
-        stride = torch.tensor(self.stride, device=self.device, dtype=torch.int64)
-        origin_t = torch.tensor(
-            (0, 0, 0) if origin is None else _int3(origin, "origin"), device=self.device, dtype=torch.int64
-        )
-        if bool((origin_t % stride != 0).any()):
-            raise ValueError(f"origin must be a multiple of the stride {self.stride}, got {tuple(origin_t.tolist())}")
-        coords = self.coords.to(torch.int64)
-        cells = torch.div(coords[:, 1:] - origin_t, stride, rounding_mode="floor")
-        if len(self) and bool((cells < 0).any()):
-            raise ValueError(
-                f"dense: coordinates lie below origin {tuple(origin_t.tolist())} (min "
-                f"{tuple(coords[:, 1:].amin(0).tolist())}); pass origin= (e.g. the minimum coordinate)"
-            )
-        if shape is None:
-            size = (cells.amax(0) + 1).tolist() if len(self) else [0, 0, 0]
-        else:
-            size = list(_int3(shape, "shape"))
-            if min(size) < 0:
-                raise ValueError(f"shape must be 3 non-negative ints (X, Y, Z), got {tuple(size)}")
-            if len(self) and bool((cells >= torch.tensor(size, device=self.device)).any()):
-                raise ValueError(
-                    f"shape {tuple(size)} is too small: cells reach {tuple((cells.amax(0) + 1).tolist())}"
-                )
+        stride = self.stride
+        origin = (0, 0, 0) if origin is None else _int3(origin, "origin")
+        if any(o % s for o, s in zip(origin, stride)):
+            raise ValueError(f"origin must be a multiple of the stride {stride}, got {origin}")
+        if shape is not None:
+            shape = _int3(shape, "shape")
+            if min(shape) < 0:
+                raise ValueError(f"shape must be 3 non-negative ints (X, Y, Z), got {shape}")
+        coords = self.coords
+        cells = torch.div(coords[:, 1:].long() - on_device(origin, self.device, torch.int64),
+                          on_device(stride, self.device, torch.int64), rounding_mode="floor")
+        # The cells' bounds in one read of the device: the range checks and the default shape.
+        lo, hi = torch.stack(torch.aminmax(cells, dim=0)).tolist() if len(self) else ([0] * 3, [-1] * 3)
+        if min(lo) < 0:
+            low = [c * s + o for c, s, o in zip(lo, stride, origin)]
+            raise ValueError(f"dense: coordinates lie below origin {origin} (min {tuple(low)}); pass origin= "
+                             "(e.g. the minimum coordinate)")
+        size = [h + 1 for h in hi] if shape is None else list(shape)
+        if shape is not None and any(h >= n for h, n in zip(hi, shape)):
+            raise ValueError(f"shape {shape} is too small: cells reach {tuple(h + 1 for h in hi)}")
         out = self.feats.new_zeros((self.batch_size, *size, self.num_channels))
         index = (coords[:, 0], cells[:, 0], cells[:, 1], cells[:, 2])
         out = out.index_put(index, self.feats)

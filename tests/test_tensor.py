@@ -130,6 +130,24 @@ def test_dense_round_trip_with_stride_and_origin(device):
         x.dense(shape=(1, 1, 1), origin=(-6, -6, -6))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_reads_the_device_once(device, monkeypatch):
+    # Its range checks and default shape come from one read of the cells' bounds (a backbone's BEV map made
+    # six host syncs of its checks and constants); the batch size is the checks' (read once a batch).
+    coords = random_coords(80, 5, stride=(2, 2, 2), low=-6, device=device)
+    x = SparseTensor(coords, torch.randn(len(coords), 3, device=device), stride=2).check()
+    x.batch_size
+    for shape in (None, (7, 7, 7)):
+        reads = []
+        for name in ("tolist", "item", "__bool__"):
+            method = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, method=method: reads.append(self.shape) or method(self, *a))
+        grid = x.dense(shape, origin=(-6, -6, -6))
+        monkeypatch.undo()
+        assert len(reads) == 1
+        assert shape is None or grid.shape == (x.batch_size, 3, *shape)
+
+
 def test_dense_is_differentiable():
     x = _tensor()
     feats = x.feats.clone().requires_grad_()

@@ -262,7 +262,7 @@ class CoordinateCache:
             coarse = floor_sets(self.keys(key.source), floor_masks((out_stride,), self.device))
             return self.add(coarse.coords, out_stride, canonical=source.canonical, keys=coarse.keys, table=coarse.table)
         self.settle()  # the host reads the coordinates here: the input's own checks first
-        step = _on_device((1, *out_stride), self.device)
+        step = on_device((1, *out_stride), self.device)
         coarse = torch.div(source.coords, step, rounding_mode="floor") * step
         problem = range_violation(coarse)
         if problem is not None:
@@ -296,15 +296,15 @@ def _unique_rows(coords: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=512)
-def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A small int32 constant on ``device``, made once: each host-to-device copy of a fresh tensor
+def on_device(values: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A small integer constant on ``device``, made once: each host-to-device copy of a fresh tensor
     waits for the stream, which on a busy GPU stalls the host for the work queued before it."""
-    return torch.tensor(values, dtype=torch.int32).to(device)
+    return torch.tensor(values, dtype=dtype).to(device)
 
 
 @functools.lru_cache(maxsize=512)
 def _offsets(kernel_size: Triple, step: Triple, sign: int, device: torch.device) -> torch.Tensor:
-    """(K, 3) int32 ``sign * delta * step`` on ``device`` (made once, see :func:`_on_device`)."""
+    """(K, 3) int32 ``sign * delta * step`` on ``device`` (made once, see :func:`on_device`)."""
     return (offset_deltas(kernel_size) * torch.tensor(step, dtype=torch.int32) * sign).to(device)
 
 
