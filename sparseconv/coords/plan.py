@@ -432,8 +432,14 @@ def _generated_maps(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Trip
         source = made.get(spec.origin) if spec.origin else ids.get(spec.source_stride)
         if source is None:  # (its maker was not planned)
             continue
-        key = keys[spec] = KernelMapKey(source, spec.kernel_size, spec.stride, spec.dilation, False, spec.generative)
-        built[key] = cache.build(key)
+        key = KernelMapKey(source, spec.kernel_size, spec.stride, spec.dilation, False, spec.generative)
+        try:
+            built[key] = cache.build(key)
+        except ValueError:
+            # Bad coordinates (the input's, read by the generation, or a generated set out of range): the layer's
+            # own build raises it to the caller; this batch's plan stops here and the next batches keep theirs.
+            break
+        keys[spec] = key
         if spec.generative:
             made[spec.output_origin] = built[key][1]
     return built

@@ -416,3 +416,25 @@ def test_only_maps_whose_sets_the_input_alone_makes_are_planned(device):
     assert plan.spec_of(cache, KernelMapKey(generated, *UP)) is None
     up = cache.kernel_map(KernelMapKey(generated, (3, 3, 3), (2, 2, 2), (1, 1, 1), True, True))[1]
     assert cache.origin(up) is None and plan.spec_of(cache, KernelMapKey(up, *SUBM)) is None
+
+
+def test_a_batch_whose_generation_fails_raises_from_its_layer_and_the_next_batches_keep_their_plan(caplog, monkeypatch):
+    # A voxel at the top of the range generates one past it: the plan's generation finds it first, and the layer
+    # raises it as without a plan; planning is not switched off for the device (a bad batch, not a failing plan).
+    from sparseconv.coords.hashing import COORD_MAX
+    from sparseconv.nn import Sequential, SparseConv3d
+
+    net = Sequential(SparseConv3d(2, 3, 3, 2, generative=True), SparseConv3d(3, 3, 3)).eval()
+    prebuilt = []
+    prebuild = plan.prebuild
+    monkeypatch.setattr(plan, "prebuild", lambda *args: prebuilt.append(dict(prebuild(*args))) or dict(prebuilt[-1]))
+    with torch.no_grad():
+        for seed in (1, 2):
+            net(batch("cpu", seed))
+        edge = torch.tensor([[0, 0, 0, 0], [0, COORD_MAX, 0, 0]], dtype=torch.int32)
+        with pytest.raises(ValueError, match="generative conv: the generated output coordinates leave"):
+            net(SparseTensor(edge, torch.randn(2, 2)))
+        x = batch("cpu", 3)
+        net(x)
+    assert not caplog.records and [len(maps) for maps in prebuilt] == [2, 0, 2]
+    assert set(prebuilt[-1]) == set(x.cache._maps) and x.cache._planned == {}
