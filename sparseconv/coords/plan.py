@@ -421,14 +421,16 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
 def _generated_maps(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
                     keys: dict[MapSpec, KernelMapKey]) -> dict[KernelMapKey, tuple[KernelMap, int]]:
     """The maps of ``specs`` that read or make generated sets (a detection backbone's: its strided convs
-    generative, its blocks on their sets), as the layers' own builds make them, each set before the maps
-    that read it: a set's size is one host read (its layer's would be the same one), a map one query.
+    generative, its blocks on their sets), as the layers' own builds make them, the sets before the maps
+    that read them: a set's size is one host read (its layer's would be the same one), a map one query.
     Planned, their pair counts go to the host in the plan's one copy and their views and products are
     built with the other maps' (a backbone's 8 maps each built by its layer: ~4 ms of host time a pass).
     Records each built spec's key in ``keys``."""
     made: dict[tuple, int] = {}  # the generated sets by origin
     built = {}
-    for spec in sorted(specs, key=lambda spec: len(spec.origin)):  # a set's origin is longer than its maker's
+    # The generations first (a set's origin is longer than its maker's), then the maps on their sets: a generation's
+    # read of its size then waits for the GPU's work on the generations before it, not for those maps' queries too.
+    for spec in sorted(specs, key=lambda spec: (not spec.generative, len(spec.origin))):
         source = made.get(spec.origin) if spec.origin else ids.get(spec.source_stride)
         if source is None:  # (its maker was not planned)
             continue
