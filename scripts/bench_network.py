@@ -40,8 +40,8 @@ A second table times ours and each peer in alternating rounds (new coordinates, 
 then training rounds, the order rotating): the ratio lines come from it, since timing one library
 after the other let host drift between them move the ratios by tens of percent.
 A last table times map building: for subm3, a 16-channel conv on a fresh tensor minus the
-same conv with its map cached; for down2 (k2 s2), the whole fresh conv, since spconv cannot
-reuse a strided conv's map.
+same conv with its map cached (both printed too); for down2 (k2 s2), the whole fresh conv, since
+spconv cannot reuse a strided conv's map. ``--maps-only`` prints that table alone.
 
     python scripts/bench_network.py                                   # 3 scenes x fp16, bf16 (minutes)
     python scripts/bench_network.py --scenes street1 --dtypes float16 --peers spconv
@@ -477,8 +477,9 @@ def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats
     return {library: {kind: statistics.median(v) for kind, v in kinds.items()} for library, kinds in times.items()}
 
 
-def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> float | str:
-    """One conv (16 -> 16 channels) on a fresh tensor minus the same conv with its map cached."""
+def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> dict[str, float] | str:
+    """subm3: {"build": one conv (16 -> 16 channels) on a fresh tensor minus the same conv with its map cached,
+    "fresh" and "kept": the two}; down2: {"build": the whole fresh conv} (spconv cannot reuse a strided map)."""
     feats = torch.randn(len(coords), 16, device=device)
     try:
         if name == "ours":
@@ -513,8 +514,9 @@ def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> float |
                 conv(cached_x)
         with torch.no_grad():
             if layer != "subm3":  # spconv cannot reuse a strided conv's map: time the whole fresh conv
-                return timed(fresh, device, repeats)[0]
-            return max(0.0, timed(fresh, device, repeats)[0] - timed(cached, device, repeats)[0])
+                return {"build": timed(fresh, device, repeats)[0]}
+            made, kept = timed(fresh, device, repeats)[0], timed(cached, device, repeats)[0]
+            return {"build": max(0.0, made - kept), "fresh": made, "kept": kept}
     except Exception as error:  # noqa: BLE001
         return f"n/a ({type(error).__name__})"
 
@@ -607,6 +609,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
     parser.add_argument("--profile", action="store_true", help="profile one new-coordinate inference of ours first")
     parser.add_argument("--no-maps", dest="maps", action="store_false", help="skip the map-build table")
+    parser.add_argument("--maps-only", action="store_true", help="the map-build table alone (no network)")
     parser.add_argument("--no-interleave", dest="interleave", action="store_false",
                         help="skip the alternating-rounds table (and the ratios it gives)")
     parser.add_argument("--lazy-maps", action="store_true",
@@ -624,6 +627,9 @@ def main() -> None:
     scenes = {scene: scene_coords(scene, args.scale).to(device) for scene in args.scenes}
     if args.profile:
         profile_ours(scenes[args.scenes[0]], getattr(torch, args.dtypes[0]), device, args.model)
+    if args.maps_only:
+        map_table(scenes, device, args)
+        return
     columns = ["infer", "step", "infer=", "step=", "host", "gpu", "peak GB", "first", "1st step", "maps", "syncs",
                "warp"]
     print("| scene | N | dtype | library | " + " | ".join(columns) + " |")
@@ -661,16 +667,24 @@ def main() -> None:
         for (scene, dtype_name, library), counts in voxels.items():
             print(f"  {scene} {dtype_name} {library}: {counts}")
     if args.maps:
-        print("\nkernel-map build (ms): subm3, one 16-channel conv on a fresh tensor minus the same conv with its map "
-              "cached; down2, the whole 16-channel k2 s2 conv on a fresh tensor (spconv cannot reuse its map)")
-        map_libraries = ["ours", *(p for p in args.peers if p != "naive")]
-        print("| scene | N | map | " + " | ".join(map_libraries) + " |")
-        print("|---" * (3 + len(map_libraries)) + "|")
-        for scene, coords in scenes.items():
-            for layer in ("subm3", "down2"):
-                cells = [fmt(map_build_ms(lib, coords, device, args.repeats, layer)) for lib in map_libraries]
-                print(f"| {scene} | {len(coords)} | {layer} | " + " | ".join(cells) + " |", flush=True)
+        map_table(scenes, device, args)
 
+
+def map_table(scenes: dict, device: torch.device, args) -> None:
+    """The map-build table (:func:`map_build_ms`), ours and each peer but naive torch, every scene."""
+    print("\nkernel-map build (ms): subm3, one 16-channel conv on a fresh tensor minus the same conv with its map "
+          "cached (and the two convs); down2, the whole 16-channel k2 s2 conv on a fresh tensor (spconv cannot "
+          "reuse its map)")
+    libraries = ["ours", *(p for p in args.peers if p != "naive")]
+    print("| scene | N | map | " + " | ".join(libraries) + " |")
+    print("|---" * (3 + len(libraries)) + "|")
+    for scene, coords in scenes.items():
+        for layer in ("subm3", "down2"):
+            times = [map_build_ms(library, coords, device, args.repeats, layer) for library in libraries]
+            for part, label in (("build", layer), ("fresh", "subm3 conv, fresh"), ("kept", "subm3 conv, map kept")):
+                if part == "build" or any(isinstance(t, dict) and part in t for t in times):
+                    cells = [fmt(t.get(part)) if isinstance(t, dict) else t for t in times]
+                    print(f"| {scene} | {len(coords)} | {label} | " + " | ".join(cells) + " |", flush=True)
 
 if __name__ == "__main__":
     main()
