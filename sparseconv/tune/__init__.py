@@ -12,7 +12,7 @@ import functools
 import torch
 
 from .. import config as _config
-from ..coords import plan as _plan
+from ..coords import prebuild as _prebuild
 from ..coords.kernel_map import KernelMap
 from ..ops import dispatch as _dispatch
 from ..ops.backends import registry as _registry
@@ -80,7 +80,7 @@ def _prepare_planned(wanted: list) -> None:
 
 _dispatch.set_runner(run)
 _triton_launch.set_compile_gate(_compile_view)
-_plan.set_call_builder(_prepare_planned)
+_prebuild.set_call_builder(_prepare_planned)
 _registry.set_inner_tuner(autotune)
 
 

@@ -170,7 +170,7 @@ class Tuner:
         (``recipe``: (namespace, pin, :attr:`ConvProblem.layer`), what :meth:`run` told the map's
         ``on_call``), where its choice is settled here: the layer's first call then finds it ready, as its
         next calls do, instead of keying, choosing and preparing it there. The map plan calls this for a
-        batch's maps together (:func:`sparseconv.coords.plan.set_call_builder`); anything unsettled or
+        batch's maps together (:func:`sparseconv.coords.prebuild.set_call_builder`); anything unsettled or
         failing is left to the layer's call. ``settings``: :func:`config.product_settings` of the recipe's
         namespace, where the caller read them already."""
         try:

@@ -1,4 +1,4 @@
-"""Maps planned ahead (coords/plan.py): a new batch builds what the last batches asked for, at once,
+"""Maps planned ahead (coords/plan.py, coords/prebuild.py): a new batch builds what the last batches asked for, at once,
 and gets exactly the maps a lazy build makes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from conftest import DEVICES
 from sparse_reference import random_coords
 
 from sparseconv import SparseTensor
-from sparseconv.coords import KernelMapKey, hashing, offset_deltas, plan
+from sparseconv.coords import KernelMapKey, hashing, offset_deltas, plan, prebuild
 from sparseconv.coords import kernel_map as kernel_map_module
 from sparseconv.coords.hashing import CoordHashTable, MapQuery, pack_coords
 
@@ -73,11 +73,11 @@ def assert_same_maps(planned: list, lazy: list, planned_cache, lazy_cache) -> No
 @pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, one_launch, monkeypatch):
-    monkeypatch.setattr(plan, "_one_launch", lambda _: one_launch)  # the GPU's way on the CPU, and back
+    monkeypatch.setattr(prebuild, "_one_launch", lambda _: one_launch)  # the GPU's way on the CPU, and back
     requests(batch(device, 0))  # the first batch builds lazily and makes the plan
     prebuilt = []
-    prebuild = plan.prebuild
-    monkeypatch.setattr(plan, "prebuild", lambda *args: prebuilt.append(dict(prebuild(*args))) or dict(prebuilt[-1]))
+    build = prebuild.build
+    monkeypatch.setattr(prebuild, "build", lambda *args: prebuilt.append(dict(build(*args))) or dict(prebuilt[-1]))
     # Two planned batches of other sizes: the second reuses the recorded launches with new arguments.
     for seed in (1, 2):
         x = batch(device, seed)  # new coordinates: every planned map is built at the first request
@@ -97,7 +97,7 @@ def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, one_launch, mo
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_plan_of_one_coarse_set_gets_the_maps_a_lazy_build_makes(device, one_launch, monkeypatch):
     # One strided conv: its coarse set is the plan's one level, made as a lazy build makes it.
-    monkeypatch.setattr(plan, "_one_launch", lambda _: one_launch)
+    monkeypatch.setattr(prebuild, "_one_launch", lambda _: one_launch)
 
     def one_level(x: SparseTensor) -> list:
         asked = []
@@ -212,13 +212,13 @@ def test_query_many_equals_one_query_per_map(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_failing_plan_is_one_warning_and_the_layers_build_their_maps(device, monkeypatch, caplog):
-    monkeypatch.setattr(plan, "_one_launch", lambda _: True)
+    monkeypatch.setattr(prebuild, "_one_launch", lambda _: True)
     requests(batch(device, 0))
 
     def broken(*args):
         raise RuntimeError("no kernel image for this device")
 
-    monkeypatch.setattr(plan, "query_many", broken)
+    monkeypatch.setattr(prebuild, "query_many", broken)
     x = batch(device, 8)
     with caplog.at_level("WARNING", logger="sparseconv"):
         planned = requests(x)
@@ -381,8 +381,8 @@ def test_a_detection_backbones_maps_on_generated_sets_are_planned_as_its_layers_
     torch.manual_seed(3)
     net = SparseResNetBackbone(2, channels=(4, 4, 4), blocks=1, out_channels=4, generative_down=True).to(device).eval()
     prebuilt = []
-    prebuild = plan.prebuild
-    monkeypatch.setattr(plan, "prebuild", lambda *args: prebuilt.append(dict(prebuild(*args))) or dict(prebuilt[-1]))
+    build = prebuild.build
+    monkeypatch.setattr(prebuild, "build", lambda *args: prebuilt.append(dict(build(*args))) or dict(prebuilt[-1]))
     with torch.no_grad():
         net(batch(device, 1))
         assert prebuilt == []  # the first batch makes the plan
@@ -426,8 +426,8 @@ def test_a_batch_whose_generation_fails_raises_from_its_layer_and_the_next_batch
 
     net = Sequential(SparseConv3d(2, 3, 3, 2, generative=True), SparseConv3d(3, 3, 3)).eval()
     prebuilt = []
-    prebuild = plan.prebuild
-    monkeypatch.setattr(plan, "prebuild", lambda *args: prebuilt.append(dict(prebuild(*args))) or dict(prebuilt[-1]))
+    build = prebuild.build
+    monkeypatch.setattr(prebuild, "build", lambda *args: prebuilt.append(dict(build(*args))) or dict(prebuilt[-1]))
     with torch.no_grad():
         for seed in (1, 2):
             net(batch("cpu", seed))

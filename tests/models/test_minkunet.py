@@ -74,7 +74,7 @@ def test_a_tiny_minkunet_learns_to_segment_a_synthetic_room_on_cpu():
 
 
 def test_a_training_pass_queries_each_distinct_map_once_and_the_next_batch_all_at_its_first_conv(monkeypatch):
-    from sparseconv.coords import hashing, plan
+    from sparseconv.coords import hashing, prebuild
 
     queried = []  # (output rows, kernel volume) of every neighbour query, by launch
     launch = hashing._launch
@@ -86,9 +86,9 @@ def test_a_training_pass_queries_each_distinct_map_once_and_the_next_batch_all_a
 
     monkeypatch.setattr(hashing, "_launch", counting)
     at_prebuild = []
-    prebuild = plan.prebuild
-    monkeypatch.setattr(plan, "prebuild", lambda *args: (lambda built: at_prebuild.append(len(queried)) or built)(
-        prebuild(*args)))
+    build = prebuild.build
+    monkeypatch.setattr(prebuild, "build", lambda *args: (lambda built: at_prebuild.append(len(queried)) or built)(
+        build(*args)))
     model = MinkUNet14(3, 5, width=0.125, stem_kernel_size=3, stem_convs=2)
     for step in range(2):
         x = _input(n=600)

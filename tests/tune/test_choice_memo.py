@@ -119,7 +119,7 @@ def test_choices_do_not_survive_a_tuner_reset(x):
 def test_a_new_batch_has_the_forward_products_of_the_last_batchs_layers_prepared_ahead(monkeypatch):
     # The map plan prepares, on a new batch's maps, the forward products the last batch's layers prepared at
     # their first calls: those first calls then take the prepared product (and run as the next calls do).
-    from sparseconv.coords import plan
+    from sparseconv.coords import plan, prebuild
 
     monkeypatch.setattr(plan, "_history", {})
     prepared = []  # (map, namespace) of each preparation; the maps' own lists below (ids of dead maps recur)
@@ -130,15 +130,15 @@ def test_a_new_batch_has_the_forward_products_of_the_last_batchs_layers_prepared
         return lambda a, b: explicit.run(namespace, problem, params, a, b, kernel_map)
 
     in_plan = []
-    prebuild = plan.prebuild
+    build = prebuild.build
 
     def counted_prebuild(*args):
         start = len(prepared)
-        built = prebuild(*args)
+        built = build(*args)
         in_plan.append(len(prepared) - start)
         return built
 
-    monkeypatch.setattr(plan, "prebuild", counted_prebuild)
+    monkeypatch.setattr(prebuild, "build", counted_prebuild)
     pins = {f"{p}_algo": "fake_prepared" for p in ("fwd", "dgrad", "wgrad")}
     weights = [torch.randn(27, 4, 4, requires_grad=True), torch.randn(8, 4, 4, requires_grad=True)]
 

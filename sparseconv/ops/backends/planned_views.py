@@ -1,5 +1,5 @@
 """The map plan's view builders: the views the last batches' layers used on each map, built for all of
-a new batch's maps at once (:func:`sparseconv.coords.plan.add_view_builder`) and offered to them
+a new batch's maps at once (:func:`sparseconv.coords.prebuild.add_view_builder`) and offered to them
 (:meth:`KernelMap.offer`), equal to what :mod:`.mask_views` builds for one layer: the forward row
 orders with one mask launch and one sort (:func:`build_planned_orders`), the forward tile plans with
 one launch per tile height (:func:`build_planned_tile_plans`, after the orders it reads), and every
@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from ...coords import plan
+from ...coords import prebuild
 from ...coords.kernel_map import KernelMap, set_pair_counter
 from . import triton_kernels as tk
 from .mask_views import (
@@ -24,7 +24,7 @@ from .triton_launch import launch, launch_ready
 
 
 def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
-    """The plan's view builder (:func:`sparseconv.coords.plan.add_view_builder`): the forward row
+    """The plan's view builder (:func:`sparseconv.coords.prebuild.add_view_builder`): the forward row
     orders (``mask_rows`` views) the last batches' layers used on each new map, built by ONE mask
     launch and ONE sort for all (int64 keys, the order's index above its mask bits), where each
     layer would have sorted on its own (~14 launches and ~85 µs of host time a sort on an H100
@@ -67,7 +67,7 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
         kernel_map.offer(key, order[base: base + kernel_map.neighbors.shape[0]])
 
 
-plan.add_view_builder(build_planned_orders, (ROWS_VIEW,))
+prebuild.add_view_builder(build_planned_orders, (ROWS_VIEW,))
 
 
 def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
@@ -123,7 +123,7 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
                WIDTH=block_width(max(width for *_, width in group)))
 
 
-plan.add_view_builder(build_planned_tile_plans, (PLAN_VIEW,))  # after build_planned_orders: it reads their orders
+prebuild.add_view_builder(build_planned_tile_plans, (PLAN_VIEW,))  # after build_planned_orders: it reads their orders
 
 
 class _PlannedViews(tuple):
