@@ -686,5 +686,6 @@ def map_table(scenes: dict, device: torch.device, args) -> None:
                     cells = [fmt(t.get(part)) if isinstance(t, dict) else t for t in times]
                     print(f"| {scene} | {len(coords)} | {label} | " + " | ".join(cells) + " |", flush=True)
 
+
 if __name__ == "__main__":
     main()
