@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICES
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sparse_reference import random_coords
 
 from sparseconv import SparseTensor
@@ -438,3 +440,43 @@ def test_a_batch_whose_generation_fails_raises_from_its_layer_and_the_next_batch
         net(x)
     assert not caplog.records and [len(maps) for maps in prebuilt] == [2, 0, 2]
     assert set(prebuilt[-1]) == set(x.cache._maps) and x.cache._planned == {}
+
+
+# A network's requests drawn at random: submanifold maps (dilated, anisotropic) on the current set, k2 s2 floors,
+# generative convs (isotropic, a height conv's, k2 s2), and floors of generated sets (which stay with their layers).
+STEPS = {
+    "subm": SUBM, "subm_dilated": ((3, 3, 3), (1, 1, 1), (2, 2, 2), False, False),
+    "subm_aniso": ((1, 3, 3), (1, 1, 1), (1, 1, 1), False, False), "down": DOWN, "generate": GENERATE,
+    "generate_height": ((1, 1, 3), (1, 1, 2), (1, 1, 1), False, True),
+    "generate_k2": ((2, 2, 2), (2, 2, 2), (1, 1, 1), False, True),
+}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.sampled_from(sorted(STEPS)), min_size=2, max_size=7), seed=st.integers(0, 2**16))
+def test_any_network_of_generated_and_canonical_sets_is_planned_as_its_layers_build_it(steps, seed, monkeypatch):
+    def requests_of(x: SparseTensor) -> list:
+        asked, source = [], x.coord_id
+        for step in steps:
+            key = KernelMapKey(source, *STEPS[step])
+            kernel_map, out_id = x.cache.kernel_map(key)
+            asked.append((key, kernel_map, out_id))
+            source = out_id
+        return asked
+
+    plan._history.clear()  # (the examples of one test share the fixture's history)
+    built = []
+    build = prebuild.build
+    monkeypatch.setattr(prebuild, "build", lambda *args: built.append(dict(build(*args))) or dict(built[-1]))
+    requests_of(batch("cpu", seed))
+    x = batch("cpu", seed + 1)
+    planned = requests_of(x)
+    assert x.cache._planned == {}, "a planned map was never asked for"
+    # Every map the plan can describe was built at the batch's first request (but a plan of one map: a lone layer's).
+    plannable = {key for key, _, _ in planned if plan.spec_of(x.cache, key) is not None}
+    if len({plan.spec_of(x.cache, key) for key in plannable}) > 1:
+        assert plannable <= set(built[-1])
+    monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
+    y = batch("cpu", seed + 1)
+    assert_same_maps(planned, requests_of(y), x.cache, y.cache)
+    monkeypatch.delenv("SPARSECONV_PLAN_MAPS")
