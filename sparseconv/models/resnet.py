@@ -104,7 +104,7 @@ class SparseResNetBackbone(nn.Module):
         if self.grid_shape is not None:
             lo, hi = self.grid_origin, [o + n - 1 for o, n in zip(self.grid_origin, self.grid_shape)]
         elif len(tensor):
-            lo, hi = tensor.coords[:, 1:].amin(0).tolist(), tensor.coords[:, 1:].amax(0).tolist()
+            lo, hi = torch.stack(torch.aminmax(tensor.coords[:, 1:], dim=0)).tolist()  # one read of the device
         else:
             lo = hi = [0, 0, 0]
         first = [v // s for v, s in zip(lo, stride)]

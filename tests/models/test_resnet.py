@@ -51,6 +51,23 @@ def test_height_axis_x_is_spconvs_3_1_1_kernel_and_bev_keeps_y_z():
     assert out.bev.shape == (x.batch_size, 8 * dense.shape[2], *dense.shape[3:])
 
 
+def test_bev_reads_the_device_once_on_a_fixed_grid_and_twice_without(monkeypatch):
+    # Without a grid the box is the coordinates' bounds (one read), then the dense map's own range checks (one).
+    x = _input()
+    for grid, expected in (({"grid_shape": (40, 40, 40), "grid_origin": (-20, -20, -20)}, 1), ({}, 2)):
+        backbone = SparseResNetBackbone(4, channels=(4, 4), blocks=1, out_channels=4, **grid).eval()
+        with torch.no_grad():
+            out = backbone(x).out
+            reads = []
+            for name in ("tolist", "item", "__bool__"):
+                method = getattr(torch.Tensor, name)
+                monkeypatch.setattr(torch.Tensor, name,
+                                    lambda self, *a, method=method: reads.append(self.shape) or method(self, *a))
+            backbone.bev(out)
+            monkeypatch.undo()
+        assert len(reads) == expected
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="height_axis"):
         SparseResNetBackbone(4, height_axis=3)
