@@ -274,6 +274,12 @@ BAD_INPUTS = [
         ValueError, r"batch_size must be an int >= 2 \(1 \+ the largest batch index\), got 1"),
     Bad("to-dense-shape-too-small", lambda: snn.ToDense(shape=(1, 1, 1), origin=(-2, -2, -2))(cloud()),
         ValueError, r"shape \(1, 1, 1\) is too small"),
+    Bad("dense-shape-negative", lambda: cloud().dense(shape=(4, -1, 4), origin=(-2, -2, -2)),
+        ValueError, r"shape must be 3 non-negative ints \(X, Y, Z\), got \(4, -1, 4\)"),
+    Bad("dense-origin-off-the-stride", lambda: cloud(stride=2).dense(origin=(1, 0, 0)),
+        ValueError, r"origin must be a multiple of the stride \(2, 2, 2\), got \(1, 0, 0\)"),
+    Bad("dense-coordinates-below-origin", lambda: SparseTensor(torch.tensor([[0, -3, 0, 0]]), torch.ones(1, 2)).dense(),
+        ValueError, r"dense: coordinates lie below origin \(0, 0, 0\) \(min \(-3, 0, 0\)\)"),
 ]
 
 
