@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from .. import config
 from . import prebuild
 from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple
-from .prebuild import MapSpec, _count_pairs, _view_kinds
+from .prebuild import MapSpec, copy_pair_counts, view_kinds
 
 if TYPE_CHECKING:
     from .cache import CoordinateCache
@@ -106,7 +106,7 @@ class Record:
         if hint is not None:
             copy, slots = hint
             kernel_map.fill_hint = sum(copy.values()), slots  # copied during the last batch: no wait
-        self.counts[key] = _count_pairs([kernel_map]), kernel_map.num_out * kernel_map.kernel_volume
+        self.counts[key] = copy_pair_counts([kernel_map]), kernel_map.num_out * kernel_map.kernel_volume
 
     def _calls_of(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> dict[Hashable, None]:
         """The recipes kept for ``which``: those prepared on this map ahead (its layers' first calls then
@@ -126,10 +126,10 @@ class Record:
 
 def _recorder(keys: dict[Hashable, None]) -> Callable[[Hashable], None]:
     """A map's :attr:`KernelMap.on_view`: keeps in ``keys`` the views a builder makes (keys ``(kind, ...)``
-    of a kind in :data:`_view_kinds`). A layer's other views (its problem, its tuner key, its prepared
+    of a kind in :data:`view_kinds`). A layer's other views (its problem, its tuner key, its prepared
     products: ~8 a map, keys holding dataclasses) were kept too, and merging two batches' keys compared
     them field by field: ~0.5 ms of a new batch's plan (room2, H200)."""
-    kinds = _view_kinds
+    kinds = view_kinds
 
     def on_view(key: Hashable) -> None:
         if type(key) is tuple and key and key[0] in kinds:

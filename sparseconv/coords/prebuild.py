@@ -67,7 +67,7 @@ the views it knows together and :meth:`KernelMap.offer` s them (registered by th
 :func:`add_view_builder`; the plan knows a key by its kind alone)."""
 
 _view_builders: list[ViewBuilder] = []
-_view_kinds: set[Hashable] = set()
+view_kinds: set[Hashable] = set()
 """The first items of the view keys the builders make: the records keep those keys alone."""
 
 
@@ -76,7 +76,7 @@ def add_view_builder(builder: ViewBuilder, kinds: tuple[Hashable, ...]) -> None:
     the first items of the keys ``(kind, ...)`` of the views it may build (it is given no others)."""
     if builder not in _view_builders:
         _view_builders.append(builder)
-        _view_kinds.update(kinds)
+        view_kinds.update(kinds)
 
 
 CallBuilder = Callable[[list[tuple[KernelMap, list[Hashable]]]], None]
@@ -121,7 +121,7 @@ def build(cache: CoordinateCache, plan: list[MapSpec],
     for start in range(0, len(regular), MAX_MAPS):
         built.update(_query(cache, regular[start: start + MAX_MAPS], ids, base, levels))
     built.update(_generated_maps(cache, [spec for spec in plan if spec.generated], ids, keys))
-    _count_pairs([kernel_map for kernel_map, _ in built.values()])
+    copy_pair_counts([kernel_map for kernel_map, _ in built.values()])
     # Per planned map and its adjoint (made here where the last batches' layers used views of it): the views
     # to build and the products to prepare.
     views = views if _view_builders else None
@@ -292,7 +292,7 @@ def _one_launch(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _count_pairs(maps: list[KernelMap]) -> HostCopy | None:
+def copy_pair_counts(maps: list[KernelMap]) -> HostCopy | None:
     """Every map's pairs per offset, copied to the host in one transfer that nothing waits for until
     a map's :attr:`~KernelMap.pair_counts` is read: the tuner's key needs a submanifold map's, and
     the wgrad backends every map's (and its adjoint's, the same list), which would otherwise be a

@@ -249,8 +249,8 @@ def test_a_record_keeps_only_the_views_a_builder_makes(device):
     kept = [key for keys in (*record.views.values(), *record.adjoint_views.values()) for key in keys]
     asked = [key for m in x.cache.kernel_maps() for key in m._derived]
     assert any(isinstance(key, tuple) and key[0] == "conv_problem" for key in asked), "the layers made views"
-    assert plan._view_kinds and all(isinstance(key, tuple) and key[0] in plan._view_kinds for key in kept)
-    assert set(kept) == {key for key in asked if isinstance(key, tuple) and key[0] in plan._view_kinds}
+    assert prebuild.view_kinds and all(isinstance(key, tuple) and key[0] in prebuild.view_kinds for key in kept)
+    assert set(kept) == {key for key in asked if isinstance(key, tuple) and key[0] in prebuild.view_kinds}
 
 
 @pytest.mark.parametrize("device", DEVICES)
