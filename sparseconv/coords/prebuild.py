@@ -96,11 +96,11 @@ def set_call_builder(builder: CallBuilder | None) -> None:
 
 
 def build(cache: CoordinateCache, plan: list[MapSpec],
-             views: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None,
-             calls: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None
-             ) -> dict[KernelMapKey, tuple[KernelMap, int]]:
-    """Build the maps of ``plan`` that the input set reaches through power-of-two floors, through the
-    view builders the ``views`` their counterparts (or their adjoints) used, and through the call builder
+          views: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None,
+          calls: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None
+          ) -> dict[KernelMapKey, tuple[KernelMap, int]]:
+    """Build the maps of ``plan`` that the input set reaches through power-of-two floors and generative
+    convs (:func:`_generated_maps`), through the view builders the ``views`` their counterparts (or their adjoints) used, and through the call builder
     the products of ``calls``; returns the maps by key with their output set ids (the coarse sets are
     registered in ``cache``; an adjoint with views under its transposed conv's key, which keeps it alive
     until asked for)."""
