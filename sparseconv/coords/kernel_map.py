@@ -241,6 +241,20 @@ class KernelMap:
     for it (not ahead), read without a wait: the tuner's key takes how full this map is from it rather than
     waiting for this map's counts (a host sync). Set by the map plan (:mod:`.plan`)."""
 
+    count_hint: torch.Tensor | None = None
+    """(K,) pairs per offset of an earlier batch's map under this map's key, on the device, for a :attr:`lone` map
+    whose own are not counted: its row orders rank the offsets by them (:meth:`ranking_counts`). Set by the map
+    plan (:mod:`.plan`)."""
+
+    def ranking_counts(self) -> torch.Tensor:
+        """(K,) counts that rank the offsets of a row order (rarest first): this map's where counted already, else
+        :attr:`count_hint`, else this map's, counted now. Any ranking makes a correct order; a good one makes
+        tiles dense, and an earlier batch's map of the same layer ranks the same offsets rarest."""
+        counts = self.__dict__.get("offset_counts")
+        if counts is None:
+            counts = self.count_hint if self.count_hint is not None else self.offset_counts
+        return counts
+
     def unviewed(self) -> KernelMap:
         """This map as a new batch's build leaves it: its table, sizes, flags and pair counts, none of the
         views or products built on it since (the tuner times a :attr:`lone` map's candidates on these)."""
@@ -250,7 +264,7 @@ class KernelMap:
         copy.neighbors = self.neighbors
         copy._describe(self.num_in, self.num_out, self.kernel_size, self.identity_offset)
         copy.each_input_once, copy.each_output_once = self.each_input_once, self.each_output_once
-        copy.lone, copy.fill_hint = self.lone, self.fill_hint
+        copy.lone, copy.fill_hint, copy.count_hint = self.lone, self.fill_hint, self.count_hint
         for name in ("offset_counts", "pair_counts", "num_pairs"):
             if name in self.__dict__:
                 copy.__dict__[name] = self.__dict__[name]

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
+import torch
+
 from .. import config
 from . import prebuild
 from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple
@@ -63,11 +65,11 @@ class Record:
         self.lone: MapSpec | None = None
         """The map of a lone layer (:attr:`KernelMap.lone`): the one map each of the last two batches
         asked for, each making one product on it."""
-        self.counts: dict[KernelMapKey, tuple[HostCopy, int]] = {}
+        self.counts: dict[KernelMapKey, Counted] = {}
         """The pair counts of the maps this batch built itself (not ahead), on their way to the host without a
         wait, with each map's table slots: the next batch's maps under the same keys take their fill from them
         (:attr:`KernelMap.fill_hint`)."""
-        self.hints: dict[KernelMapKey, tuple[HostCopy, int]] = {}
+        self.hints: dict[KernelMapKey, Counted] = {}
         """The last batch's :attr:`counts`."""
         self.keep_tables: set[Triple] = set()
         """Strides whose hash tables a query after the plan needed (here or in the last batches): the
@@ -76,10 +78,10 @@ class Record:
             _history.setdefault(signature, collections.deque(maxlen=HISTORY)).append(self)
 
     def note(self, cache: CoordinateCache, key: KernelMapKey, kernel_map: KernelMap) -> None:
+        spec = spec_of(cache, key)
         if not (kernel_map.each_input_once or kernel_map.each_output_once or kernel_map.transpose_of is not None
                 or "offset_counts" in kernel_map.__dict__):  # (pairs known, an adjoint's, counted ahead)
-            self._hint(key, kernel_map)
-        spec = spec_of(cache, key)
+            self._hint(key, kernel_map, spec is not None and spec == self.lone)
         if spec is not None and spec not in self.specs:
             self.specs.append(spec)
             kernel_map.on_view = _recorder(self.views.setdefault(spec, {}))
@@ -97,16 +99,26 @@ class Record:
             self._count(kernel_map, (source.plan_spec, True))
             _replay(kernel_map)
 
-    def _hint(self, key: KernelMapKey, kernel_map: KernelMap) -> None:
+    def _hint(self, key: KernelMapKey, kernel_map: KernelMap, lone: bool) -> None:
         """A map built here, not ahead: its fill from the last batch's map under ``key`` (a network asks for its
         maps in the same order every batch, so the same keys name the same layers' maps), and its own counts
         started on their way to the host for the next batch. Its tuner keys then wait for no count of its own
-        (a host sync a map: 8 of a detection backbone's 18 a pass, its maps on generated sets not planned)."""
+        (a host sync a map: 8 of a detection backbone's 18 a pass, its maps on generated sets not planned).
+
+        A :attr:`~KernelMap.lone` map is not counted at all in :data:`RECOUNT` batches but one: it carries the
+        count of the last batch that counted, as its fill and as the ranks of its row orders' offsets
+        (:attr:`KernelMap.count_hint`). The count and its copy were a third of such a map's host time (street1,
+        H200), and nothing else of its one product reads them; a map that more products share keeps its own
+        (a wgrad reads them on the host)."""
         hint = self.hints.get(key)
         if hint is not None:
-            copy, slots = hint
-            kernel_map.fill_hint = sum(copy.values()), slots  # copied during the last batch: no wait
-        self.counts[key] = copy_pair_counts([kernel_map]), kernel_map.num_out * kernel_map.kernel_volume
+            kernel_map.fill_hint = hint.fill()  # copied during an earlier batch: no wait
+            if lone and hint.age < RECOUNT - 1:
+                kernel_map.count_hint = hint.device
+                self.counts[key] = Counted(None, kernel_map.fill_hint, hint.device, hint.age + 1)
+                return
+        copy = copy_pair_counts([kernel_map])
+        self.counts[key] = Counted(copy, kernel_map.num_out * kernel_map.kernel_volume, kernel_map.offset_counts, 0)
 
     def _calls_of(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> dict[Hashable, None]:
         """The recipes kept for ``which``: those prepared on this map ahead (its layers' first calls then
@@ -122,6 +134,27 @@ class Record:
     def _count(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> None:
         kernel_map.forward_count = self.forward_counts.setdefault(which, [0])
         kernel_map.forward_left = self.expected.get(which, 0)
+
+
+RECOUNT = 8
+"""A lone map's pairs are counted every this many batches (:meth:`Record._hint`)."""
+
+
+class Counted:
+    """A map's pair counts for the next batch's map under its key (:meth:`Record._hint`): ``copy``, on its way
+    to the host (``fill`` its table slots then), or None and ``fill`` the (pairs, slots) read already;
+    ``device``, the (K,) counts on the device; ``age``, the batches since they were counted."""
+
+    __slots__ = ("copy", "_fill", "device", "age")
+
+    def __init__(self, copy: HostCopy | None, fill: int | tuple[int, int], device: torch.Tensor, age: int) -> None:
+        self.copy, self._fill, self.device, self.age = copy, fill, device, age
+
+    def fill(self) -> tuple[int, int]:
+        """(pairs, table slots) of the counted map."""
+        if self.copy is not None:
+            self._fill, self.copy = (sum(self.copy.values()), self._fill), None
+        return self._fill
 
 
 def _recorder(keys: dict[Hashable, None]) -> Callable[[Hashable], None]:

@@ -352,6 +352,55 @@ def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_lone_map_is_counted_once_every_recount_batches_and_carries_that_count_between(device, monkeypatch):
+    # A lone layer's map carries the count of the last batch that counted (its fill for the tuner's key, the ranks
+    # of its row orders), counting anew every RECOUNT batches; its outputs stay exact.
+    from sparseconv.nn import SparseConv3d
+
+    counted = []
+
+    def counting(maps):
+        counted.append(maps[0])
+        return prebuild.copy_pair_counts(maps)
+
+    monkeypatch.setattr(plan, "copy_pair_counts", counting)
+    conv = SparseConv3d(2, 3, 3).to(device)
+    lone, last = [], None
+    for seed in range(3 + 2 * plan.RECOUNT):
+        x = batch(device, 20 + seed)
+        with torch.no_grad():
+            out = conv(x)
+        kernel_map = x.cache.kernel_maps()[0]
+        assert torch.allclose(out.feats, dense_subm_reference(x, conv), atol=1e-4)
+        if kernel_map.lone:
+            lone.append(kernel_map)
+            if last is not None:  # the count this map carries: the last counted map's
+                assert kernel_map.fill_hint == (sum(last.pair_counts), last.num_out * 27)
+                if kernel_map is not counted[-1]:
+                    assert torch.equal(kernel_map.count_hint, last.offset_counts)
+        if counted and counted[-1] is kernel_map:
+            last = kernel_map
+    # The batch before the first lone one counted (a map not lone yet): then every RECOUNT-th batch.
+    at = [i for i, m in enumerate(lone) if any(m is c for c in counted)]
+    assert len(lone) == 2 * plan.RECOUNT + 1 and at == [plan.RECOUNT - 1, 2 * plan.RECOUNT - 1]
+
+
+def dense_subm_reference(x: SparseTensor, conv) -> torch.Tensor:
+    """A submanifold 3^3 conv (no dilation) by brute force over its neighbours, float64."""
+    coords = x.coords.long()
+    index = {tuple(row): i for i, row in enumerate(coords.tolist())}
+    deltas = offset_deltas((3, 3, 3)).long()
+    weight, feats = conv.weight.double(), x.feats.double()
+    out = torch.zeros(len(coords), weight.shape[2], dtype=torch.float64, device=feats.device)
+    for k, delta in enumerate(deltas.tolist()):
+        for i, row in enumerate(coords.tolist()):
+            j = index.get((row[0], row[1] + delta[0], row[2] + delta[1], row[3] + delta[2]))
+            if j is not None:
+                out[i] += feats[j] @ weight[k]
+    return (out + conv.bias.double()).to(x.feats.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_maps_built_by_their_layers_take_their_fill_from_the_last_batchs_maps_under_their_keys(device, monkeypatch):
     # Maps not planned (here: planning off) are built when their layers ask, and their tuner keys would wait
     # for their pair counts. It takes the last batch's counts under its key

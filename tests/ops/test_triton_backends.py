@@ -317,6 +317,33 @@ def test_fused_tile_views_equal_the_torch_reference(device, mode_name, forward, 
                 assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected.cpu())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_lone_maps_row_order_ranks_its_offsets_by_the_count_hint_and_the_product_stays_exact(device,
+                                                                                                poisoned_outputs):
+    # A lone map's own pairs are not counted in most batches: its row order ranks the offsets by an earlier
+    # batch's counts (KernelMap.count_hint). Any ranking is a correct order: the product equals explicit_gemm's.
+    from sparseconv.coords import KernelMap
+
+    mode = CASES[0]
+    x, built = _input_and_map(mode, 16, device, torch.float32, n=300 if device == "cpu" else 6000,
+                              extent=10 if device == "cpu" else 40)
+    hinted, reference = (KernelMap(built.neighbors, built.num_in, built.kernel_size, built.identity_offset)
+                         for _ in range(2))
+    ranks = torch.randperm(built.kernel_volume, device=device)  # an order of the offsets unlike the map's counts
+    hinted.count_hint = ranks
+    reference.__dict__["offset_counts"] = ranks  # the same ranking, as the map's own counts
+    order = mask_views.sorted_rows(hinted, True, True)
+    assert "offset_counts" not in hinted.__dict__, "the hinted map's pairs were counted"
+    assert torch.equal(order, mask_views.sorted_rows(reference, True, True))
+    assert sorted(order.tolist()) == list(range(built.num_out))
+    weight = torch.randn(built.kernel_volume, 16, 8, device=device) / 4
+    problem = _problem(x, hinted, 16, 8, torch.float32, mode)
+    params = next(p for p in mask_triton.SPACE if not mask_triton.planned(p) and p.get("sort", True))
+    out = get("mask_implicit_gemm").run("AB_gather_scatter", problem, params, x.feats, weight, hinted)
+    ref = explicit.run("AB_gather_scatter", problem, {}, x.feats.double(), weight.double(), built)
+    assert relative_error(out, ref) < TOLERANCE[torch.float32]
+
+
 def _plan_parts(views) -> list:
     """A tile plan's (used flags, offsets, counts, slots), the flags as bools (a fused plan keeps their bytes,
     and its padding, in int32)."""

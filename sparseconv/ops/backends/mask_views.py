@@ -60,7 +60,7 @@ def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[i
         if (lo, hi) not in together or not _together(together):
             together = [(lo, hi)]
         # Per-offset counts are the map's pair counts in either direction: no pass over the table.
-        orders = fused_row_orders(table, together, m.offset_counts)
+        orders = fused_row_orders(table, together, m.ranking_counts())
         for other, order in zip(together, orders):
             if other != (lo, hi):
                 m.derived(_rows_key(sort, *other), lambda _, order=order: order)
