@@ -238,9 +238,17 @@ def _tile_params(tile: tuple[int, int, int, int, int], sort: bool, splits: int) 
             "splits": splits}
 
 
-TABLE_TILES = [(16, 32, 32, 2, 2), (32, 32, 32, 2, 2), (32, 64, 32, 4, 2), (64, 32, 32, 4, 2), (64, 64, 32, 4, 3)]
+TABLE_TILES = [(16, 32, 32, 2, 2), (32, 32, 32, 2, 2), (32, 64, 32, 4, 2), (64, 32, 32, 4, 2), (64, 64, 32, 4, 3),
+               (16, 16, 16, 1, 2), (32, 16, 16, 1, 2), (32, 16, 16, 2, 2), (64, 16, 16, 2, 2)]
 """Tiles without a tile plan: short ones, as a tile visits every offset any of its rows has (in the
-table's order, where no sort groups rows of equal masks: fewer the fewer rows it holds)."""
+table's order, where no sort groups rows of equal masks: fewer the fewer rows it holds). The last
+four are 16 channels wide each way, for layers of at most 16 (:data:`NARROW_TABLE_TILES`)."""
+
+WIDE_TABLE_TILES, NARROW_TABLE_TILES = range(5), range(5, 9)
+"""The table tiles a lone map's pool times: the 16-wide ones where no channel count exceeds 16, else the others.
+A 16 -> 16 channel lone submanifold product (H200, `.tools`-style sweep of every table tile, 2026-11-27): 55 / 74 /
+143 µs against 112 / 137 / 326 for the best 32-wide tile in fp32, 38 / 51 / 81 against 59 / 75 / 131 in fp16
+(street1 / room2 / street4); at 32 channels the 16-wide tiles lose (72-83 µs against 60-69 at room2 and street1)."""
 
 
 def _table_params(tile: int, sort: bool = False) -> dict:
@@ -274,7 +282,8 @@ def pool(problem: ConvProblem, level: str) -> list[Mapping]:
     if problem.lone:
         # A map serving one product builds its views for that product alone: the tiles over its table
         # need none (the tuner times a lone map's candidates with their views' build, tune/sweep.py).
-        auto += [_table_params(t, s) for t in range(len(TABLE_TILES)) for s in (False, True)]
+        tiles = NARROW_TABLE_TILES if widest <= 16 else WIDE_TABLE_TILES
+        auto += [_table_params(t, s) for t in tiles for s in (False, True)]
     if problem.kernel_volume > 8:
         # Sorted by one 27-bit mask, a 64-row tile of a street scene visits offsets that only 65%
         # of its rows have; sorted per group of 9-14 offsets, 92-98% (street4; the measuring
