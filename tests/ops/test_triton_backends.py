@@ -364,6 +364,18 @@ def test_a_lone_maps_pool_times_the_16_wide_table_tiles_where_no_channel_count_e
         assert len(table) == (2 * len(expected) if lone else 0)  # sorted and in the table's order
 
 
+@pytest.mark.parametrize("channels, narrow, wide", [((16, 16), True, False), ((4, 16), True, False),
+                                                    ((4, 32), True, True), ((32, 16), True, True),
+                                                    ((32, 32), False, True), ((16, 64), False, True)])
+def test_a_side_of_16_channels_or_fewer_times_the_16_deep_tiles_over_views(channels, narrow, wide):
+    # Tiles 16 channels deep where a side has at most 16 (alone up to 16 on both sides, beside the 32-deep ones
+    # up to 32 on the other); not from 64 on, nor at 32 both sides.
+    problem = ConvProblem(100, 100, *channels, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False, torch.float16,
+                          torch.device("cuda"))
+    deep = {p["block_k"] for p in mask_triton.pool(problem, "auto") if mask_triton.planned(p)}
+    assert (16 in deep) == narrow and (bool(deep - {16})) == wide
+
+
 def _plan_parts(views) -> list:
     """A tile plan's (used flags, offsets, counts, slots), the flags as bools (a fused plan keeps their bytes,
     and its padding, in int32)."""
