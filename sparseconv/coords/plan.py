@@ -18,14 +18,14 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
-import torch
-
 from .. import config
 from . import prebuild
 from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple
 from .prebuild import MapSpec, copy_pair_counts, view_kinds
 
 if TYPE_CHECKING:
+    import torch
+
     from .cache import CoordinateCache
 
 HISTORY = 2
@@ -115,10 +115,11 @@ class Record:
             kernel_map.fill_hint = hint.fill()  # copied during an earlier batch: no wait
             if lone and hint.age < RECOUNT - 1:
                 kernel_map.count_hint = hint.device
-                self.counts[key] = Counted(None, kernel_map.fill_hint, hint.device, hint.age + 1)
+                self.counts[key] = Counted(hint.device, hint.slots, hint.age + 1, pairs=kernel_map.fill_hint[0])
                 return
         copy = copy_pair_counts([kernel_map])
-        self.counts[key] = Counted(copy, kernel_map.num_out * kernel_map.kernel_volume, kernel_map.offset_counts, 0)
+        slots = kernel_map.num_out * kernel_map.kernel_volume
+        self.counts[key] = Counted(kernel_map.offset_counts, slots, 0, copy=copy)
 
     def _calls_of(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> dict[Hashable, None]:
         """The recipes kept for ``which``: those prepared on this map ahead (its layers' first calls then
@@ -141,20 +142,21 @@ RECOUNT = 8
 
 
 class Counted:
-    """A map's pair counts for the next batch's map under its key (:meth:`Record._hint`): ``copy``, on its way
-    to the host (``fill`` its table slots then), or None and ``fill`` the (pairs, slots) read already;
-    ``device``, the (K,) counts on the device; ``age``, the batches since they were counted."""
+    """A map's pair counts for the next batch's map under its key (:meth:`Record._hint`): ``device``, the (K,)
+    counts on the device; ``slots``, the map's table slots; ``age``, the batches since they were counted; their
+    sum ``pairs``, or ``copy``, the counts on their way to the host (read once, by :meth:`fill`)."""
 
-    __slots__ = ("copy", "_fill", "device", "age")
+    __slots__ = ("device", "slots", "age", "pairs", "copy")
 
-    def __init__(self, copy: HostCopy | None, fill: int | tuple[int, int], device: torch.Tensor, age: int) -> None:
-        self.copy, self._fill, self.device, self.age = copy, fill, device, age
+    def __init__(self, device: torch.Tensor, slots: int, age: int, pairs: int | None = None,
+                 copy: HostCopy | None = None) -> None:
+        self.device, self.slots, self.age, self.pairs, self.copy = device, slots, age, pairs, copy
 
     def fill(self) -> tuple[int, int]:
         """(pairs, table slots) of the counted map."""
-        if self.copy is not None:
-            self._fill, self.copy = (sum(self.copy.values()), self._fill), None
-        return self._fill
+        if self.pairs is None:
+            self.pairs, self.copy = sum(self.copy.values()), None
+        return self.pairs, self.slots
 
 
 def _recorder(keys: dict[Hashable, None]) -> Callable[[Hashable], None]:
