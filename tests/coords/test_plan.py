@@ -3,12 +3,15 @@ and gets exactly the maps a lazy build makes."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import DEVICES
+from conv_cases import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sparse_reference import random_coords
+from sparse_reference import random_coords, relative_error
 
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey, hashing, offset_deltas, plan, prebuild
@@ -371,7 +374,9 @@ def test_a_lone_map_is_counted_once_every_recount_batches_and_carries_that_count
         with torch.no_grad():
             out = conv(x)
         kernel_map = x.cache.kernel_maps()[0]
-        assert torch.allclose(out.feats, dense_subm_reference(x, conv), atol=1e-4)
+        with torch.no_grad():
+            expected = reference(copy.deepcopy(conv).double(), x, out, x.feats.double())  # dense conv3d, float64
+        assert relative_error(out.feats, expected) < 1e-5
         if kernel_map.lone:
             lone.append(kernel_map)
             if last is not None:  # the count this map carries: the last counted map's
@@ -383,21 +388,6 @@ def test_a_lone_map_is_counted_once_every_recount_batches_and_carries_that_count
     # The batch before the first lone one counted (a map not lone yet): then every RECOUNT-th batch.
     at = [i for i, m in enumerate(lone) if any(m is c for c in counted)]
     assert len(lone) == 2 * plan.RECOUNT + 1 and at == [plan.RECOUNT - 1, 2 * plan.RECOUNT - 1]
-
-
-def dense_subm_reference(x: SparseTensor, conv) -> torch.Tensor:
-    """A submanifold 3^3 conv (no dilation) by brute force over its neighbours, float64."""
-    coords = x.coords.long()
-    index = {tuple(row): i for i, row in enumerate(coords.tolist())}
-    deltas = offset_deltas((3, 3, 3)).long()
-    weight, feats = conv.weight.double(), x.feats.double()
-    out = torch.zeros(len(coords), weight.shape[2], dtype=torch.float64, device=feats.device)
-    for k, delta in enumerate(deltas.tolist()):
-        for i, row in enumerate(coords.tolist()):
-            j = index.get((row[0], row[1] + delta[0], row[2] + delta[1], row[3] + delta[2]))
-            if j is not None:
-                out[i] += feats[j] @ weight[k]
-    return (out + conv.bias.double()).to(x.feats.dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
