@@ -8,7 +8,8 @@ from . import models, nn, ops
 from .config import deterministic as is_deterministic
 from .config import set_deterministic
 from .ops import sparse_conv3d
+from .ops.warmup import warmup
 from .tensor import SparseTensor
 
 __version__ = "0.1.0"
-__all__ = ["SparseTensor", "is_deterministic", "models", "nn", "ops", "set_deterministic", "sparse_conv3d"]
+__all__ = ["SparseTensor", "is_deterministic", "models", "nn", "ops", "set_deterministic", "sparse_conv3d", "warmup"]

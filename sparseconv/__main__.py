@@ -19,10 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", "--iterations", dest="steps", type=int, default=None, help="training steps (default 200)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--plot", default=None, metavar="FILE.png", help="save a bird's-eye picture (needs matplotlib)")
-    from .tune import cli as cache_cli
-    from .tune import populate as tune_cli
+    from .cli import cache as cache_cli
+    from .cli import populate as tune_cli
 
-    from .ops.backends import cutlass_cli
+    from .cli import cutlass as cutlass_cli
 
     cache_cli.add_parser(commands)
     tune_cli.add_parser(commands)
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cutlass":
         return cutlass_cli.run(args)
 
-    from .demo import format_report, run_demo
+    from .cli.demo import format_report, run_demo
 
     report = run_demo(args.scene, args.batch_size, args.scale, args.device, args.width, args.steps,
                       seed=args.seed, plot=args.plot)

@@ -9,7 +9,8 @@ import torch
 
 from ._args import Triple, triple
 from .coords.cache import CoordinateCache, on_device
-from .coords.hashing import CoordHashTable, range_violation_of, unpack_keys
+from .coords.hashing import CoordHashTable
+from .coords.keys import range_violation_of, unpack_keys
 from .coords.kernel_map import HostCopy
 
 DUPLICATE_MODES = ("error", "sum", "mean")

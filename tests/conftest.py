@@ -72,10 +72,10 @@ def fresh_seed(request):
 def view_gate(monkeypatch):
     """Tests launch the view kernels (pair counts and lists, the fused norm) in the call, as without
     background compiles: a test calling a view builder gets its kernel's result, not None while it
-    compiles in a worker. Returns the gate the tuner registered (triton_launch.launch_ready), for the
-    tests of that gate."""
-    from sparseconv.ops.backends import triton_launch
+    compiles in a worker. Returns the real gate (compiling.kernel_ready, which triton_launch.launch_ready
+    asks), for the tests of that gate."""
+    from sparseconv.backends import compiling
 
-    registered = triton_launch._gate
-    monkeypatch.setattr(triton_launch, "_gate", None)
-    return registered
+    gate = compiling.kernel_ready
+    monkeypatch.setattr(compiling, "kernel_ready", lambda *args: True)
+    return gate

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from anchors import ALIGN, shifted_coords, spatial_shape  # noqa: E402
+from sparseconv.cli.bench import ALIGN, shifted_coords, spatial_shape
 
 
 def _coarse(coords: torch.Tensor, stride: int) -> torch.Tensor:

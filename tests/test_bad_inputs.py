@@ -28,9 +28,10 @@ from sparse_reference import random_coords
 import sparseconv.tune
 from sparseconv import SparseTensor, config
 from sparseconv import nn as snn
-from sparseconv.coords.hashing import BATCH_MAX, COORD_MAX, COORD_MIN
+from sparseconv.coords.keys import BATCH_MAX, COORD_MAX, COORD_MIN
 from sparseconv.ops import sparse_conv3d
-from sparseconv.tune.cache import SCHEMA_VERSION, TuneCache
+from sparseconv.tune.cache import TuneCache
+from sparseconv.tune.cachefile import SCHEMA_VERSION
 
 # -- inputs -------------------------------------------------------------------------------------
 

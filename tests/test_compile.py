@@ -114,7 +114,7 @@ def test_tuning_inside_a_trace_refuses_and_names_the_warmup_helper():
     conv.requires_grad_(False)
     # The map and its pair counts exist (the tuner's key needs them); timing is what the trace cannot do.
     assert x.cache.kernel_map(_key(x, conv))[0].num_pairs > 0
-    message = r"cannot be tuned on fake tensors.*sparseconv\.tune\.warmup\(model, example_input\)"
+    message = r"cannot be tuned on fake tensors.*sparseconv\.warmup\(model, example_input\)"
     with pytest.raises(RuntimeError, match=message):
         make_fx(lambda f: conv(x.replace(f)).feats, tracing_mode="fake")(x.feats)
 
@@ -125,7 +125,7 @@ def test_after_warmup_the_trace_finds_every_choice():
     x = _input(channels=3)
     conv = SparseConv3d(3, 4, 3)
     conv.requires_grad_(False)
-    sparseconv.tune.warmup(conv, x)
+    sparseconv.warmup(conv, x)
     # The map's index tensors and the weight are real inside the trace, hence _allow_non_fake_inputs.
     traced = make_fx(lambda f: conv(x.replace(f)).feats, tracing_mode="fake", _allow_non_fake_inputs=True)(x.feats)
     assert traced is not None
@@ -142,12 +142,12 @@ def test_warmup_restores_gradients_and_batch_norm_statistics(monkeypatch):
     torch.manual_seed(0)
     model = MinkUNet(3, 4, blocks=(1, 0, 0, 0, 0, 0, 0, 1), planes=(4,) * 8, stem_channels=4, stem_kernel_size=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    sparseconv.tune.warmup(model, _input())
+    sparseconv.warmup(model, _input())
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
-        sparseconv.tune.warmup(lambda x: x, _input())
+        sparseconv.warmup(lambda x: x, _input())
 
 
 def test_a_small_minkunet_trains_two_steps_compiled_with_the_eager_losses(monkeypatch):
@@ -179,7 +179,7 @@ def test_a_small_minkunet_trains_two_steps_compiled_with_the_eager_losses(monkey
     eager = train(make())
     model = make()
     example = SparseTensor(coords, feats)
-    sparseconv.tune.warmup(model, example)
+    sparseconv.warmup(model, example)
     got = train(torch.compile(model, backend="aot_eager"))
     assert got == pytest.approx(eager, rel=1e-5, abs=1e-6)
     assert got[1] != got[0]  # it did train
@@ -197,7 +197,7 @@ def test_tuning_during_cuda_graph_capture_refuses_and_names_the_warmup_helper():
     # The map and its pair counts exist (reading them syncs, which a capture forbids too).
     assert x.cache.kernel_map(_key(x, conv))[0].num_pairs > 0
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match=r"during CUDA-graph capture.*sparseconv\.tune\.warmup"):
+    with pytest.raises(RuntimeError, match=r"during CUDA-graph capture.*sparseconv\.warmup"):
         with torch.cuda.graph(graph):
             conv(x)
 
@@ -225,7 +225,7 @@ def test_a_small_minkunet_trains_compiled_by_inductor_on_cuda_with_the_eager_los
         return losses
 
     model = make()
-    sparseconv.tune.warmup(model, SparseTensor(coords, feats))  # tunes every product: the runs below only look up
+    sparseconv.warmup(model, SparseTensor(coords, feats))  # tunes every product: the runs below only look up
     eager = train(model)
     model = make()
     got = train(torch.compile(model))

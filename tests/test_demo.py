@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from sparseconv.demo import format_report, run_demo
+from sparseconv.cli.demo import format_report, run_demo
 from sparseconv.metrics import confusion_matrix, iou_per_class
 from sparseconv.viz import save_bev_comparison
 
@@ -48,7 +48,7 @@ def test_bev_plot_without_matplotlib_says_how_to_install_it_before_training(monk
     ids = torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ImportError, match=r"pip install 'sparseconv\[plot\]'"):
         save_bev_comparison(tmp_path / "x.png", torch.zeros(3, 4, dtype=torch.int32), ids, ids, ["a"])
-    monkeypatch.setattr("sparseconv.demo.make_scene", None)  # any training would fail on this instead
+    monkeypatch.setattr("sparseconv.cli.demo.make_scene", None)  # any training would fail on this instead
     with pytest.raises(ImportError, match="needs matplotlib"):
         run_demo(plot=tmp_path / "x.png")
 

@@ -2,7 +2,7 @@
 
 Every ``import`` and ``from ... import`` in the package, at module level or inside a function,
 relative or absolute, is mapped from its module's layer to the imported module's layer; an
-import into a higher layer fails unless it is in :data:`ALLOWED`, each entry with its reason.
+import into a higher layer fails, with no exception.
 """
 
 from __future__ import annotations
@@ -15,33 +15,21 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "sparseconv"
 
-# Lowest first. A module belongs to the longest prefix that matches it (the prefix itself or
-# prefix + "."), so sparseconv.tune.cli is a front end and sparseconv.ops.problem sits under
-# the backends that take it.
+# Lowest first, in the order data flows (docs/architecture.md). A module belongs to the longest
+# prefix that matches it (the prefix itself or prefix + ".").
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("settings", ("sparseconv._args", "sparseconv.config", "sparseconv.precision")),
     ("coords", ("sparseconv.coords",)),
     ("tensor", ("sparseconv.tensor",)),
-    ("ops.problem", ("sparseconv.ops.problem",)),
-    ("ops.backends", ("sparseconv.ops.backends",)),
-    ("ops", ("sparseconv.ops",)),  # dispatch.py, conv.py, the package's __init__
+    ("backends", ("sparseconv.backends",)),
     ("tune", ("sparseconv.tune",)),
+    ("ops", ("sparseconv.ops",)),
     ("nn", ("sparseconv.nn",)),
     ("models", ("sparseconv.models",)),
-    ("front ends", ("sparseconv.data", "sparseconv.demo", "sparseconv.viz", "sparseconv.metrics",
-                    "sparseconv.__main__", "sparseconv.tune.cli", "sparseconv.tune.populate",
-                    "sparseconv.ops.backends.cutlass_cli")),
+    ("front ends", ("sparseconv.data", "sparseconv.viz", "sparseconv.metrics", "sparseconv.cli",
+                    "sparseconv.__main__")),
     ("package", ("sparseconv",)),  # sparseconv/__init__.py: the public names, over everything
 )
-
-# (importing module, imported module) -> why it may point up. Keep this short; every entry
-# must still exist (a fixed one is taken out, see test_allowed_upward_imports_still_exist).
-ALLOWED: dict[tuple[str, str], str] = {
-    # The registered hook: the tuner registers itself as the operator layer's runner when
-    # imported (sparseconv/tune/__init__.py -> dispatch.set_runner); ops/dispatch.py imports it
-    # on the first product only to trigger that, and never calls into it by name.
-    ("sparseconv.ops.dispatch", "sparseconv.tune"): "the tuner registers itself as the runner",
-}
 
 
 def layer_of(module: str) -> tuple[int, str]:
@@ -110,15 +98,8 @@ def test_imports_only_point_down():
     wrong = [
         f"{modules[module].relative_to(ROOT)}:{line}: {module} imports {imported} ({direction})"
         for module, imported, line, direction in upward_imports(modules)
-        if (module, imported) not in ALLOWED
     ]
     assert not wrong, "imports that point up the layers:\n" + "\n".join(wrong)
-
-
-def test_allowed_upward_imports_still_exist():
-    upward = {(module, imported) for module, imported, _, _ in upward_imports(package_modules())}
-    stale = sorted(set(ALLOWED) - upward)
-    assert not stale, f"these no longer import upward; take them out of ALLOWED: {stale}"
 
 
 @pytest.mark.parametrize("statement", [
@@ -136,5 +117,5 @@ def test_an_upward_import_is_found(tmp_path, statement):
         target.write_text(path.read_text())
     bad = copy / "coords" / "kernel_map.py"
     bad.write_text(bad.read_text() + "\n\n" + statement + "\n")
-    found = [(m, i) for m, i, _, _ in upward_imports(package_modules(copy)) if (m, i) not in ALLOWED]
+    found = [(m, i) for m, i, _, _ in upward_imports(package_modules(copy))]
     assert found and all(m == "sparseconv.coords.kernel_map" for m, _ in found)

@@ -29,7 +29,7 @@ CHECK = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import sparseconv
-    from sparseconv.ops.backends import cuda_jit
+    from sparseconv.backends import cuda_jit
     from sparseconv.tune import shipped
 
     folder = cuda_jit.csrc_dir()
@@ -107,6 +107,6 @@ def test_installed_wheel_finds_csrc_and_the_shipped_tunings_inside_the_package(t
 
 
 def test_checkout_finds_top_level_csrc():
-    from sparseconv.ops.backends import cuda_jit
+    from sparseconv.backends import cuda_jit
 
     assert cuda_jit.csrc_dir() == ROOT / "csrc"

@@ -9,7 +9,7 @@ from conftest import DEVICES
 from sparse_reference import random_coords
 
 from sparseconv import SparseTensor
-from sparseconv.coords.hashing import BATCH_MAX, COORD_MAX, COORD_MIN
+from sparseconv.coords.keys import BATCH_MAX, COORD_MAX, COORD_MIN
 from sparseconv.nn import SparseConv3d
 
 

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from . import plan
-from .hashing import (
-    COORD_MAX, COORD_MIN, CoordHashTable, floor_masks, floor_sets, floors_by_mask, generate_set, pack_coords,
-    range_violation, unpack_keys,
-)
+from .hashing import CoordHashTable, floor_sets, generate_set
+from .keys import COORD_MAX, COORD_MIN, floor_masks, floors_by_mask, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
 
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_masks, floor_sets, floors_by_mask, query_many
+from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_sets, query_many
+from .keys import floor_masks, floors_by_mask
 from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple, count_pairs, offset_deltas
 
 if TYPE_CHECKING:
@@ -320,7 +321,7 @@ def _times(a: Triple, b: Triple) -> Triple:
 
 def _floorable(stride: Triple, base: Triple) -> bool:
     """Whether the canonical set at ``stride`` is the floor of a set at ``base`` that the lazy build
-    makes by one AND of packed keys (:func:`~sparseconv.coords.hashing.floors_by_mask`)."""
+    makes by one AND of packed keys (:func:`~sparseconv.coords.keys.floors_by_mask`)."""
     return stride != base and floors_by_mask(stride) and all(s % b == 0 for s, b in zip(stride, base))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .hashing import BATCH_MAX, COORD_BITS, COORD_MIN
+from .keys import BATCH_MAX, COORD_BITS, COORD_MIN
 
 
 def define() -> SimpleNamespace:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .._args import triple
-from ..ops.conv import AlgoPins, checked_conv3d
-from ..ops.dispatch import Pin
+from ..ops.conv import checked_conv3d
+from ..ops.dispatch import AlgoPins, Pin
 from ..tensor import SparseTensor
 
 

@@ -18,7 +18,7 @@ Where the graph breaks. Finding a layer's map is a lookup in the batch's
 :class:`CoordinateCache`, traced when the map exists; building a map (hash table, ``unique``,
 sizes that depend on the data) cannot be traced and runs eagerly (``torch.compiler.disable``).
 At a new batch's first missing map, :class:`_Plan` builds every map the previous batch (or
-:func:`sparseconv.tune.warmup`) built, in order, so a model breaks once per batch, at its first
+:func:`sparseconv.warmup`) built, in order, so a model breaks once per batch, at its first
 conv with a kernel map (Dynamo splits each frame on that call stack, so a MinkUNet runs ~4
 graphs); everything after it (every other conv, norm, activation, concatenation and the whole
 backward) is traced. ``fullgraph=True`` therefore holds only when the input's maps are built
@@ -30,18 +30,14 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..coords.cache import CoordinateCache
 from ..coords.kernel_map import KernelMap, KernelMapKey, Triple, owner_of
 from ..tensor import SparseTensor
-from .dispatch import dispatch
-from .problem import ConvProblem, layer_problem
-
-if TYPE_CHECKING:
-    from .conv import AlgoPins
+from ..backends.problem import ConvProblem, layer_problem
+from .dispatch import AlgoPins, dispatch
 
 NAMESPACE = "sparseconv"
 
@@ -70,7 +66,7 @@ class _Plan:
         self.cache: weakref.ref[CoordinateCache] | None = None
 
     def learn(self, cache: CoordinateCache) -> None:
-        """Take ``cache``'s built keys as the plan (:func:`sparseconv.tune.warmup` does after its eager pass)."""
+        """Take ``cache``'s built keys as the plan (:func:`sparseconv.warmup` does after its eager pass)."""
         self.keys, self.cache = cache.built_keys(), weakref.ref(cache)
 
     def build(self, cache: CoordinateCache, key: KernelMapKey) -> tuple[KernelMap, int]:

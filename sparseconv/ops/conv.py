@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -12,29 +11,12 @@ from torch.autograd.function import once_differentiable
 from .._args import triple
 from ..coords.kernel_map import KernelMap, KernelMapKey
 from ..tensor import SparseTensor
-from .dispatch import Pin, check_algo, dispatch
-from .problem import ConvProblem, layer_problem
+from ..backends.problem import ConvProblem, layer_problem
+from .dispatch import AlgoPins, Pin, dispatch
 
 
 MATMUL = "matmul"
 """What ``record`` says for the products of a 1x1x1 stride-1 conv, which torch.mm computes."""
-
-
-@dataclass(frozen=True)
-class AlgoPins:
-    """The user's algorithm pins for the three products (None: let the library choose)."""
-
-    fwd: str | tuple[str, ...] | None = None
-    dgrad: str | tuple[str, ...] | None = None
-    wgrad: str | tuple[str, ...] | None = None
-
-    @classmethod
-    def checked(cls, fwd: Pin, dgrad: Pin, wgrad: Pin) -> AlgoPins:
-        return cls(
-            check_algo(fwd, "AB_gather_scatter"),
-            check_algo(dgrad, "ABt_gather_scatter"),
-            check_algo(wgrad, "AtB_gather_gather"),
-        )
 
 
 class SparseConvFunction(torch.autograd.Function):

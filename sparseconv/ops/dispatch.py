@@ -1,41 +1,23 @@
-"""One call per product: the registered runner (the tuner) resolves the algorithm and runs it.
+"""One call per product: the tuner (:func:`sparseconv.tune.run`) resolves the algorithm and runs it.
 
 Pins (``fwd_algo=`` ...) are checked at layer construction by :func:`check_algo`, against the
-backend table (:mod:`.backends.algos`), so a typo fails before the first batch; they are passed
-down unchanged and the runner honours them in backward too.
-
-Imports point down: the tuner sits above this module and registers itself here
-(:func:`set_runner`, from ``sparseconv/tune/__init__.py``) instead of being called by name.
+backend table (:mod:`sparseconv.backends.algos`), so a typo fails before the first batch; they are
+passed down unchanged and the tuner honours them in backward too.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from types import ModuleType
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from .. import tune
+from ..backends import algos
+from ..backends.problem import PIN_ARGUMENT, ConvProblem
 from ..coords.kernel_map import KernelMap
-from .problem import PIN_ARGUMENT, ConvProblem
 
 Pin = str | Sequence[str] | None
-
-Runner = Callable[[str, ConvProblem, Pin, torch.Tensor, torch.Tensor, KernelMap, dict[str, str] | None], torch.Tensor]
-"""runner(namespace, problem, pin, a, b, kernel_map, record) -> the product (see :func:`dispatch`)."""
-
-_runner: Runner | None = None
-
-
-def set_runner(runner: Runner | None) -> Runner | None:
-    """Make ``runner`` run every product from now on; returns the one it replaces.
-
-    ``sparseconv.tune`` registers its tuner when imported; a test or a tool may put another in
-    front (and restore the returned one), and None goes back to loading the tuner on first use.
-    """
-    global _runner
-    previous, _runner = _runner, runner
-    return previous
 
 
 def check_algo(algo: Pin, namespace: str) -> str | tuple[str, ...] | None:
@@ -46,8 +28,25 @@ def check_algo(algo: Pin, namespace: str) -> str | tuple[str, ...] | None:
     """
     if algo is None:
         return None
-    _algos().checked_mode(algo, namespace, PIN_ARGUMENT[namespace])
+    algos.checked_mode(algo, namespace, PIN_ARGUMENT[namespace])
     return algo if isinstance(algo, str) else tuple(algo)
+
+
+@dataclass(frozen=True)
+class AlgoPins:
+    """The user's algorithm pins for the three products (None: let the library choose)."""
+
+    fwd: str | tuple[str, ...] | None = None
+    dgrad: str | tuple[str, ...] | None = None
+    wgrad: str | tuple[str, ...] | None = None
+
+    @classmethod
+    def checked(cls, fwd: Pin, dgrad: Pin, wgrad: Pin) -> AlgoPins:
+        return cls(
+            check_algo(fwd, "AB_gather_scatter"),
+            check_algo(dgrad, "ABt_gather_scatter"),
+            check_algo(wgrad, "AtB_gather_gather"),
+        )
 
 
 def dispatch(
@@ -60,35 +59,8 @@ def dispatch(
     record: dict[str, str] | None = None,
 ) -> torch.Tensor:
     """Run product ``namespace`` of ``problem`` with the algorithm the pin or the tuner picks."""
-    runner = _runner if _runner is not None else _load_runner()
     uses = kernel_map.uses
     if uses is not None:  # the map plan counts a map's products (KernelMap.lone)
         uses[0] += 1
-    return runner(namespace, problem, algo, a, b, kernel_map, record)
+    return tune.run(namespace, problem, algo, a, b, kernel_map, record)
 
-
-def _load_runner() -> Runner:
-    """Import the tuner, which registers itself; the first product of a process comes here.
-
-    The one import in ops/ that points up (tests/test_layering.py allows exactly this one): it
-    only triggers the registration, so importing sparseconv loads no tuner, no backend and no
-    Triton, and nothing here depends on what the tuner is.
-    """
-    from .. import tune  # noqa: F401 - registers tune's runner through set_runner
-
-    if _runner is None:
-        raise RuntimeError("sparseconv.tune was imported but registered no runner (set_runner)")
-    return _runner
-
-
-@functools.cache
-def _algos() -> ModuleType:
-    """The name check, imported on first use: importing it loads every backend family (the
-    registry fills on import), which importing sparseconv must not do.
-
-    Kept instead of a function-level import because that costs ~1 µs, and a conv call makes
-    three pin checks.
-    """
-    from .backends import algos
-
-    return algos

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-from .backends.mask_views import fused as _triton_runs
-from .backends.triton_launch import launch_ready
+from ..backends.mask_views import fused as _triton_runs
+from ..backends.triton_launch import launch_ready
 
 BLOCK = 1024
 """Elements a program takes (Triton's default 4 warps: 8 a lane)."""

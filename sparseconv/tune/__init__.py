@@ -1,8 +1,8 @@
 """The autotuner: per-namespace algorithm choice, a shared msgpack cache, and @autotune.
 
 Nothing starts at import: the tuner and its cache file come to life on the first conv call
-that needs a choice. Importing this package registers :func:`run` as the operator layer's
-runner (``sparseconv.ops.dispatch.set_runner``): ops/ sits below the tuner and never names it.
+that needs a choice. The operator layer (``sparseconv.ops.dispatch``) calls :func:`run` for every
+product; the tuner calls the backends of the registry (``sparseconv.backends``).
 """
 
 from __future__ import annotations
@@ -11,35 +11,37 @@ import functools
 
 import torch
 
+from collections.abc import Sequence
+
 from .. import config as _config
+from ..backends import compiling as _compiling
+from ..backends import registry as _registry
+from ..backends.problem import ConvProblem
 from ..coords import prebuild as _prebuild
 from ..coords.kernel_map import KernelMap
-from ..ops import dispatch as _dispatch
-from ..ops.backends import registry as _registry
-from ..ops.backends import triton_launch as _triton_launch
-from ..ops.problem import ConvProblem
 from . import shipped
 from .cache import TuneCache
 from .configs import Candidate, Config
 from .decorator import autotune
 from .key import TuneKey, make_key
 from .tuner import Tuner
-from .tuner import compile_view as _compile_view
-from .warmup import warmup
 
 
 @functools.cache
 def get_tuner() -> Tuner:
-    """The process-wide tuner (cache file under SPARSECONV_CACHE_DIR, read on first use)."""
+    """The process-wide tuner (cache file under SPARSECONV_CACHE_DIR, read on first use). Made, it also
+    tunes the backends' inner configurations (:func:`sparseconv.backends.registry.inner_autotune`)."""
+    _registry.set_inner_tuner(autotune)
     return Tuner()
 
 
 def reset() -> None:
-    """Forget the process-wide tuner, its cache handle and the shipped tunings read (tests; a
-    changed SPARSECONV_CACHE_DIR)."""
+    """Forget the process-wide tuner, its cache handle, its background compiles and the shipped tunings
+    read (tests; a changed SPARSECONV_CACHE_DIR)."""
     if get_tuner.cache_info().currsize and get_tuner()._cache is not None:
         get_tuner()._cache.flush(force=True)
     get_tuner.cache_clear()
+    _compiling.background.cache_clear()  # its queued jobs were the forgotten tuner's
     shipped.forget()
 
 
@@ -51,13 +53,13 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     kernels are not compiled yet runs the reference while they compile in worker processes, and a
     map's views whose kernels are not compiled yet are built by torch's ops meanwhile
     (``SPARSECONV_BACKGROUND_COMPILE=0`` compiles them in the call instead)."""
-    return get_tuner().wait_for_compiles(timeout)
+    return _compiling.background().wait(timeout)
 
 
 def run(
     namespace: str,
     problem: ConvProblem,
-    pin: _dispatch.Pin,
+    pin: str | Sequence[str] | None,
     a: torch.Tensor,
     b: torch.Tensor,
     kernel_map: KernelMap,
@@ -78,13 +80,10 @@ def _prepare_planned(wanted: list) -> None:
             tuner.prepare_ahead(kernel_map, recipe, settings[namespace])
 
 
-_dispatch.set_runner(run)
-_triton_launch.set_compile_gate(_compile_view)
 _prebuild.set_call_builder(_prepare_planned)
-_registry.set_inner_tuner(autotune)
 
 
 __all__ = [
     "Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset", "run",
-    "wait_for_compiles", "warmup",
+    "wait_for_compiles",
 ]

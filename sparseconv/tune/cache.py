@@ -18,7 +18,6 @@ import math
 import os
 import pathlib
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -26,120 +25,14 @@ from typing import Any
 
 import msgpack
 
+from . import shipped
+from .cachefile import CORRUPT, Entries, Key, Unusable, entry_problem, read_entries, write_entries
 from .merge import merge as _merge
-
-SCHEMA_VERSION = 1
 
 logger = logging.getLogger("sparseconv.tune.cache")
 
-_Key = tuple[str, str]
-_Entries = dict[_Key, dict]
-_CORRUPT = "corrupt"
 # Between lock polls: short against a write (a few ms), long enough not to spin a core.
 _LOCK_POLL_S = 0.005
-
-
-class _Unusable(Exception):
-    """The cache file cannot be used as a whole; args: (reason, suffix to move it aside under, or
-    None: leave it in place and never write it, as for a newer sparseconv's file)."""
-
-
-def _entry_problem(entry: Any) -> str | None:
-    """Why ``entry`` cannot be cached, or None when it has the fields the merge rule and the
-    tuner read (a file edited by hand or by another tool must not crash a conv call)."""
-    if not isinstance(entry, dict):
-        return f"not a dict but {type(entry).__name__}"
-    evidence, updated = entry.get("evidence"), entry.get("updated")
-    if isinstance(evidence, bool) or not isinstance(evidence, int) or evidence < 0:
-        return f"evidence must be an int >= 0, got {evidence!r}"
-    if not _is_time(updated):
-        return f"updated must be a finite time.time() float, got {updated!r}"
-    timings = entry.get("timings")
-    if isinstance(timings, dict):  # the tuner's {candidate id: record}
-        for candidate, record in timings.items():
-            problem = _timing_problem(record)
-            if problem is not None:
-                return f"timings[{candidate!r}]: {problem}"
-    elif timings is not None and not isinstance(timings, list):  # a list: @autotune's [[config, ms]]
-        return f"timings must be a dict or a list, got {type(timings).__name__}"
-    return None
-
-
-def _timing_problem(record: Any) -> str | None:
-    """Why a tuner timing record is unusable: the fields the tuner compares must have their types."""
-    if not isinstance(record, dict):
-        return f"not a dict but {type(record).__name__}"
-    for name in ("ms", "host_ms"):
-        value = record.get(name)
-        if value is not None and not (_is_time(value) and value >= 0):
-            return f"{name} must be a finite number >= 0 or None, got {value!r}"
-    if record.get("verdict") == "ok" and record.get("ms") is None:
-        return "verdict 'ok' without ms"
-    version = record.get("version")
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-        return f"version must be an int, got {version!r}"
-    return None
-
-
-def _is_time(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _read(path: pathlib.Path) -> _Entries:
-    """Entries of the cache file at ``path``, {} if there is none; raises _Unusable or OSError."""
-    try:
-        doc = msgpack.unpackb(path.read_bytes(), raw=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    except (ValueError, msgpack.UnpackException) as exc:  # bad bytes: ValueError subclasses or OutOfData
-        raise _Unusable(f"not valid msgpack: {type(exc).__name__}: {exc}", _CORRUPT) from None
-    if not isinstance(doc, dict) or "schema" not in doc:
-        raise _Unusable(f"not a cache document: {type(doc).__name__} without 'schema'", _CORRUPT)
-    if type(doc["schema"]) is int and doc["schema"] > SCHEMA_VERSION:
-        # Another installed version shares the directory: its file is not ours to replace.
-        raise _Unusable(f"schema {doc['schema']}, newer than this sparseconv's {SCHEMA_VERSION}", None)
-    if type(doc["schema"]) is not int or doc["schema"] != SCHEMA_VERSION:  # True == 1, but is no schema
-        tag = doc["schema"] if type(doc["schema"]) is int else "unknown"
-        raise _Unusable(f"schema {doc['schema']!r}, expected {SCHEMA_VERSION}", f"old-schema-{tag}")
-    if not isinstance(doc.get("entries"), dict):
-        raise _Unusable("'entries' is not a dict", _CORRUPT)
-    entries: _Entries = {}
-    dropped: list[str] = []
-    for namespace, table in doc["entries"].items():
-        if not isinstance(namespace, str) or not isinstance(table, dict):
-            dropped.append(f"namespace {namespace!r}: not a str mapping to a dict")
-            continue
-        for key, entry in table.items():
-            problem = _entry_problem(entry) if isinstance(key, str) else "key is not a str"
-            if problem is None:
-                entries[(namespace, key)] = entry
-            else:
-                dropped.append(f"{namespace}/{key}: {problem}")
-    if dropped:
-        msg = "tune cache %s: dropped %d malformed entries (%s)"
-        logger.warning(msg, path, len(dropped), "; ".join(dropped[:5]))
-    return entries
-
-
-def _write_atomic(path: pathlib.Path, entries: _Entries) -> None:
-    """Write ``entries`` to ``path`` through a synced temp file and os.replace; raises OSError."""
-    nested: dict[str, dict[str, dict]] = {}
-    for (namespace, key), entry in sorted(entries.items()):
-        nested.setdefault(namespace, {})[key] = entry
-    data = msgpack.packb({"schema": SCHEMA_VERSION, "entries": nested}, use_bin_type=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp makes 0600; other users' processes read this cache too
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 class TuneCache:
@@ -151,8 +44,8 @@ class TuneCache:
         self.path = pathlib.Path(path)
         self.lock_timeout_s = lock_timeout_s
         self.flush_interval_s = flush_interval_s
-        self._entries: _Entries = {}
-        self._dirty: set[_Key] = set()
+        self._entries: Entries = {}
+        self._dirty: set[Key] = set()
         self._loaded = False
         self._last_attempt = -math.inf
         self._writing = False
@@ -174,8 +67,6 @@ class TuneCache:
         if entry is None:
             # A read-only layer beneath the file: never merged into it, so only what is re-timed
             # (a changed backend's candidates) reaches the user's file, through put.
-            from . import shipped
-
             entry = shipped.lookup(namespace, key)
         return entry
 
@@ -184,7 +75,7 @@ class TuneCache:
         if not isinstance(namespace, str) or not isinstance(key, str):
             names = f"{type(namespace).__name__}, {type(key).__name__}"
             raise TypeError(f"namespace and key must be str, got {names}")
-        problem = _entry_problem(entry)
+        problem = entry_problem(entry)
         if problem is not None:
             raise ValueError(f"entry for {namespace}/{key}: {problem}")
         try:
@@ -235,7 +126,7 @@ class TuneCache:
             try:
                 with self._file_lock() as held:
                     if held:
-                        _write_atomic(self.path, {})
+                        write_entries(self.path, {})
             except OSError as exc:
                 self._warn_unwritable(exc)
 
@@ -244,14 +135,14 @@ class TuneCache:
         self._ensure_loaded()
         with self._mem_lock:
             entries = dict(self._entries)
-        _write_atomic(pathlib.Path(path), entries)
+        write_entries(pathlib.Path(path), entries)
         return len(entries)
 
     def merge_file(self, path: str | os.PathLike) -> int:
         """Take the winning entries of the cache file ``path``, then flush; returns how many were taken."""
         try:
-            other = _read(pathlib.Path(path))
-        except _Unusable as exc:  # OSError (missing, unreadable) is the caller's to see as is
+            other = read_entries(pathlib.Path(path))
+        except Unusable as exc:  # OSError (missing, unreadable) is the caller's to see as is
             raise ValueError(f"merge_file: {os.fspath(path)!r} is not a tune cache: {exc.args[0]}") from None
         self._ensure_loaded()
         with self._mem_lock:
@@ -308,8 +199,8 @@ class TuneCache:
                 return
             try:
                 try:
-                    disk = _read(self.path)
-                except _Unusable:
+                    disk = read_entries(self.path)
+                except Unusable:
                     # Re-read under the lock (a writer may have just replaced it); only then move it aside.
                     with self._file_lock() as held:
                         disk = self._read_locked(move_aside=held)
@@ -320,18 +211,18 @@ class TuneCache:
                 _merge(self._entries, disk)
                 self._loaded = True
 
-    def _read_locked(self, move_aside: bool) -> _Entries:
+    def _read_locked(self, move_aside: bool) -> Entries:
         """The file's entries; an unusable one is reported and, if ``move_aside``, renamed out of the way."""
         try:
-            return _read(self.path)
-        except _Unusable as exc:
+            return read_entries(self.path)
+        except Unusable as exc:
             reason, suffix = exc.args
             fate = "left in place"
             if suffix is None:
                 self._newer_file = True
                 fate = "left in place, and this process keeps its tunings in memory"
             elif move_aside:
-                if suffix == _CORRUPT:
+                if suffix == CORRUPT:
                     suffix += f"-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
                 aside = self.path.with_name(f"{self.path.name}.{suffix}")
                 os.replace(self.path, aside)
@@ -364,7 +255,7 @@ class TuneCache:
         finally:
             os.close(fd)
 
-    def _write(self, pending: _Entries) -> bool:
+    def _write(self, pending: Entries) -> bool:
         """Merge ``pending`` with the file under the lock and write it; returns whether it wrote."""
         if self._newer_file:
             return False
@@ -375,7 +266,7 @@ class TuneCache:
                 disk = self._read_locked(move_aside=True)
                 merged = dict(disk)
                 _merge(merged, pending)
-                _write_atomic(self.path, merged)
+                write_entries(self.path, merged)
         except OSError as exc:
             self._warn_unwritable(exc)
             return False

@@ -3,7 +3,8 @@
 Semantics follow tonno's decorator: the chosen config is injected as the first positional
 argument; the keyword arguments named in ``key`` describe the problem size and are popped
 before the call; the winner is cached per (device, key values) in the tuner's cache file under
-the namespace ``autotune:<module>.<qualname>``.
+the namespace ``autotune:<name>`` (``name=``, a stable name: a cache migration to change; default
+``<module>.<qualname>``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def autotune(
     encode: Callable[[Any], dict] | None = None,
     decode: Callable[[dict], Any] | None = None,
     cache: TuneCache | None = None,
+    name: str | None = None,
 ) -> Callable[[Callable], Callable]:
     """Decorate ``fn(config, *args, **kwargs)``; callers pass ``key`` names as keyword arguments.
 
@@ -58,7 +60,7 @@ def autotune(
         raise ValueError("autotune: configs must be distinct")
 
     def wrap(fn: Callable) -> Callable:
-        namespace = f"autotune:{fn.__module__}.{fn.__qualname__}"
+        namespace = f"autotune:{name or f'{fn.__module__}.{fn.__qualname__}'}"
         chosen: dict[str, Any] = {}
         lock = threading.Lock()
 

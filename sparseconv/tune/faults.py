@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import config
-from ..ops.problem import PIN_ARGUMENT
+from ..backends.problem import PIN_ARGUMENT
 
 SLOW_FACTOR = 20.0
 SLOW_FLOOR_MS = 100.0

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..coords.kernel_map import KernelMap
-from ..ops.backends.cuda_launch import index_of
-from ..ops.problem import ConvProblem
+from ..backends.cuda_launch import index_of
+from ..backends.problem import ConvProblem
 
 TUNER_VERSION = 1
 """Bump when the key layout or the meaning of a stored timing changes; old entries then miss."""

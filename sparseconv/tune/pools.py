@@ -3,7 +3,7 @@
 A mode comes from the call's pin (``fwd_algo=`` ...) or else the namespace's environment
 variable (``SPARSECONV_FWD_ALGO_MODE`` ...) or else ``auto``. Parsing and checking a mode (names,
 levels, the "did you mean" hint) lives with the backend table in
-:mod:`sparseconv.ops.backends.algos`, which the operator layer uses too; names are checked
+:mod:`sparseconv.backends.algos`, which the operator layer uses too; names are checked
 strictly wherever they come from.
 """
 
@@ -14,9 +14,9 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from .. import config
-from ..ops.backends import registry
-from ..ops.backends.algos import DEFAULT_MODE, LEVELS, AlgoMode, checked_mode, parse_mode
-from ..ops.problem import PIN_ARGUMENT, ConvProblem
+from ..backends import registry
+from ..backends.algos import DEFAULT_MODE, LEVELS, AlgoMode, checked_mode, parse_mode
+from ..backends.problem import PIN_ARGUMENT, ConvProblem
 from .configs import Candidate
 
 logger = logging.getLogger("sparseconv.tune")

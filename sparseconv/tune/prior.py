@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ops.backends import registry
+from ..backends import registry
 from . import shipped
 from .cache import TuneCache
 from .configs import Candidate

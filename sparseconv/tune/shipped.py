@@ -1,7 +1,7 @@
 """The shipped tuning database: measured winners for common GPUs, read-only, beneath the user's cache.
 
 Files live in the package at ``sparseconv/tune/data/<device>.msgpack``, one per device, in the
-user cache file's format (:mod:`sparseconv.tune.cache`); ``<device>`` is the key's device
+user cache file's format (:mod:`sparseconv.tune.cachefile`); ``<device>`` is the key's device
 identity (:func:`sparseconv.tune.key.device_identity`) with every run of other characters than
 letters and digits turned into ``_``, e.g. ``cuda_NVIDIA_H100_80GB_HBM3_sm90_132SM``. A file is
 read on the first lookup of a key of its device, never at import, and never written: what the
@@ -19,7 +19,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .. import config
-from .cache import _Entries, _Unusable, _read, _write_atomic
+from .cachefile import Entries, Unusable, read_entries, write_entries
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -30,7 +30,7 @@ SUFFIX = ".msgpack"
 
 _lock = threading.Lock()
 _stems: frozenset[str] | None = None  # the data folder's device names, listed on first use
-_loaded: dict[str, _Entries] = {}  # device name -> its entries ({} for an unusable file)
+_loaded: dict[str, Entries] = {}  # device name -> its entries ({} for an unusable file)
 
 
 def data_dir() -> Traversable:
@@ -56,16 +56,16 @@ def lookup(namespace: str, key: str) -> dict | None:
     return None
 
 
-def entries_for(identity: str) -> _Entries:
+def entries_for(identity: str) -> Entries:
     """Every shipped entry of the device ``identity`` ({} if none is shipped, or switched off)."""
     if not config.shipped_tunings() or _sanitised(identity) not in _available():
         return {}
     return dict(_entries_of(_sanitised(identity)))
 
 
-def write(path: str | os.PathLike, entries: _Entries) -> None:
+def write(path: str | os.PathLike, entries: Entries) -> None:
     """Write ``entries`` as a shippable (user-cache format) file at ``path``, atomically; raises OSError."""
-    _write_atomic(pathlib.Path(path), entries)
+    write_entries(pathlib.Path(path), entries)
 
 
 def forget() -> None:
@@ -95,7 +95,7 @@ def _available() -> frozenset[str]:
     return _stems
 
 
-def _entries_of(stem: str) -> _Entries:
+def _entries_of(stem: str) -> Entries:
     entries = _loaded.get(stem)
     if entries is None:
         with _lock:
@@ -105,13 +105,13 @@ def _entries_of(stem: str) -> _Entries:
     return entries
 
 
-def _load(stem: str) -> _Entries:
+def _load(stem: str) -> Entries:
     """The entries of one shipped file; an unusable one is reported once and counts as empty."""
     resource = data_dir().joinpath(stem + SUFFIX)
     try:
         with importlib.resources.as_file(resource) as path:
-            return _read(pathlib.Path(path))
-    except _Unusable as exc:
+            return read_entries(pathlib.Path(path))
+    except Unusable as exc:
         reason = exc.args[0]
     except OSError as exc:
         reason = str(exc)

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..ops.backends import registry
-from ..ops.problem import ConvProblem
+from ..backends import registry
+from ..backends.problem import ConvProblem
 from ..precision import accumulator_dtype
 from . import faults
 from .cache import TuneCache

@@ -13,15 +13,15 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 
 from .. import config
 from ..coords.kernel_map import KernelMap
-from ..ops.backends import registry
-from ..ops.problem import ConvProblem, layer_problem
+from ..backends import compiling, registry
+from ..backends.problem import ConvProblem, layer_problem
 from . import faults, prior
 from .cache import TuneCache
 from .configs import Candidate
@@ -128,7 +128,7 @@ class Tuner:
         deterministic = settings[1]
         choice = self._choices.get(memo)
         if choice is None or not _current(choice):
-            if self._compiling_for(memo) and _on_gpu_eagerly(a):  # compiling: the reference runs meanwhile
+            if self._compiling_for(memo) and compiling.on_gpu_eagerly(a):  # compiling: the reference runs meanwhile
                 return _REFERENCE, registry.get(FALLBACK), False
             with self._lock:
                 choice = self._choices.get(memo)
@@ -203,7 +203,7 @@ class Tuner:
         or those a sweep is about to time) compile in worker processes, queued by the first such
         call: on a GPU, unless deterministic (which kernel runs would depend on compile times),
         tracing or capturing a CUDA graph (the reference would be recorded), or switched off."""
-        return _in_background(a, deterministic) and self._compiles.queue(memo, namespace, problem, candidates,
+        return compiling.in_background(a, deterministic) and self._compiles.queue(memo, namespace, problem, candidates,
                                                                          kernel_map)
 
     def _compiling_for(self, memo: tuple) -> bool:
@@ -214,11 +214,6 @@ class Tuner:
         """Wait for the background compiles queued so far (see :meth:`_compile_later`); False if
         ``timeout`` seconds passed first. The next call of each such layer then runs its choice."""
         return self._compiles.background.wait(timeout)
-
-    def compile_view(self, key: Hashable, hook: Callable, args: tuple) -> bool:
-        """Whether a view kernel (``key``) has compiled in the background workers, ``hook(*args)`` compiling
-        it there (queued by the first call; see :func:`compile_view`)."""
-        return self._compiles.background.ready(("view", key), hook, args, ("view", key))
 
     def compiling(self) -> int:
         """How many products ran the reference (and map views torch's ops) because their kernels were
@@ -272,7 +267,7 @@ class Tuner:
                     # pool's first compiled in the call on a GPU: a compile per key that a DDP step
                     # waited for, 74 s against 7.8 s for a first MinkUNet step on one GPU, two H100s,
                     # 2026-11-25.)
-                    return _Provisional(_REFERENCE if _in_background(a, key.deterministic) else pool[0]), True
+                    return _Provisional(_REFERENCE if compiling.in_background(a, key.deterministic) else pool[0]), True
                 refuse_tuning_in_trace(namespace, encoded, a)
             # The cost model's top picks first (effort quick), the rest only if none of them passed.
             for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
@@ -337,7 +332,7 @@ def refuse_tuning_in_trace(namespace: str, encoded: str, a: torch.Tensor) -> Non
         return
     raise RuntimeError(
         f"sparseconv: {namespace} {encoded} is not tuned yet and cannot be tuned {where}, where candidate "
-        "kernels cannot be timed. Call sparseconv.tune.warmup(model, example_input) eagerly first (one forward "
+        "kernels cannot be timed. Call sparseconv.warmup(model, example_input) eagerly first (one forward "
         "and backward that tunes every layer), or pin the algorithms (fwd_algo= ..., SPARSECONV_*_ALGO_MODE) "
         "or set SPARSECONV_AUTOTUNE_EFFORT=none."
     )
@@ -368,30 +363,6 @@ the first minutes. With the cost model's three picks, the jobs are few and the w
 
 _REFERENCE = Candidate(FALLBACK)
 """What runs while a choice's kernels compile in the background (see :meth:`Tuner._compile_later`)."""
-
-
-def _in_background(a: torch.Tensor, deterministic: bool) -> bool:
-    """Whether kernels for a product on ``a`` compile in worker processes while the reference runs
-    (:meth:`Tuner._compile_later`): on a GPU, unless deterministic, tracing, capturing or switched off."""
-    return _on_gpu_eagerly(a) and not deterministic and config.background_compile()
-
-
-def compile_view(tensor: torch.Tensor, key: Hashable, hook: Callable, args: tuple) -> bool:
-    """The view kernels' compile gate (:func:`sparseconv.ops.backends.triton_launch.launch_ready`): where a
-    product's kernels would compile in the background (:func:`_in_background`), a view kernel not compiled
-    yet compiles in the process tuner's workers while torch's ops build the view (a cold process's first
-    batch); elsewhere (the CPU, deterministic mode, a trace or capture, switched off) in the call."""
-    if not _in_background(tensor, config.deterministic()):
-        return True
-    from . import get_tuner  # the process-wide tuner (tune/__init__.py imports this module)
-
-    return get_tuner().compile_view(key, hook, args)
-
-
-def _on_gpu_eagerly(a: torch.Tensor) -> bool:
-    """Whether ``a`` is a real CUDA tensor outside any trace or CUDA-graph capture."""
-    return (a.is_cuda and not torch.compiler.is_compiling() and not isinstance(a, torch._subclasses.FakeTensor)
-            and not torch.cuda.is_current_stream_capturing())
 
 
 class _Provisional(NamedTuple):

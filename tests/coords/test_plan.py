@@ -16,7 +16,8 @@ from sparse_reference import random_coords, relative_error
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey, hashing, offset_deltas, plan, prebuild
 from sparseconv.coords import kernel_map as kernel_map_module
-from sparseconv.coords.hashing import CoordHashTable, MapQuery, pack_coords
+from sparseconv.coords.hashing import CoordHashTable, MapQuery
+from sparseconv.coords.keys import floor_masks, pack_coords
 
 # A small U-Net's requests: submanifold 3^3 on four levels, k2 s2 down between them, the k2 s2
 # transposed convs back up, a dilated and an anisotropic map; a detection backbone's generative k3 s2
@@ -182,7 +183,7 @@ def test_query_many_equals_one_query_per_map(device):
     # The input set's coordinates and table in arrays of their own, the coarse sets' together (as a
     # planned batch holds them): a query's flags pick the arrays.
     fine_table = CoordHashTable.build(fine)
-    coarse = hashing.floor_sets(pack_coords(fine), hashing.floor_masks(((2, 2, 2), (4, 4, 4)), fine.device))
+    coarse = hashing.floor_sets(pack_coords(fine), floor_masks(((2, 2, 2), (4, 4, 4)), fine.device))
     sets = [fine, *coarse.coords.split(coarse.counts)]
     capacities = [coarse.capacity] * 2
     bases = [0, coarse.capacity]
@@ -462,7 +463,7 @@ def test_only_maps_whose_sets_the_input_alone_makes_are_planned(device):
 def test_a_batch_whose_generation_fails_raises_from_its_layer_and_the_next_batches_keep_their_plan(caplog, monkeypatch):
     # A voxel at the top of the range generates one past it: the plan's generation finds it first, and the layer
     # raises it as without a plan; planning is not switched off for the device (a bad batch, not a failing plan).
-    from sparseconv.coords.hashing import COORD_MAX
+    from sparseconv.coords.keys import COORD_MAX
     from sparseconv.nn import Sequential, SparseConv3d
 
     net = Sequential(SparseConv3d(2, 3, 3, 2, generative=True), SparseConv3d(3, 3, 3)).eval()

@@ -13,7 +13,7 @@ from sparse_reference import relative_error
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import Backend, explicit, register, unregister
+from sparseconv.backends import Backend, explicit, register, unregister
 
 # Relative error bounds per dtype: loose enough for rounding of the operands, tight enough that a
 # dropped offset or a K-fold rounding of the sum fails.

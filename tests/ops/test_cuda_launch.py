@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import torch
 
-from sparseconv.ops.backends import cuda_launch
+from sparseconv.backends import cuda_launch
 
 
 def _read_back(arguments: cuda_launch.ArgumentBuffer, kinds: str) -> list[int]:

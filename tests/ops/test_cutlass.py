@@ -14,8 +14,8 @@ from sparse_reference import relative_error
 
 from sparseconv.coords import KernelMapKey
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import cuda_jit, cutlass_gemm, cutlass_sm90, explicit, get, mask_views
-from sparseconv.ops.problem import ConvProblem
+from sparseconv.backends import cuda_jit, cutlass_gemm, cutlass_sm90, explicit, get, mask_views
+from sparseconv.backends.problem import ConvProblem
 
 needs_toolchain = pytest.mark.skipif(cuda_jit.unavailable() is not None, reason=str(cuda_jit.unavailable()))
 OPS = {

@@ -15,15 +15,15 @@ import sparseconv
 import sparseconv.tune
 from sparseconv import SparseTensor, config
 from sparseconv.models import MinkUNet14
-from sparseconv.ops import dispatch, sparse_conv3d
-from sparseconv.ops.backends import explicit, registry
-from sparseconv.ops.backends.algos import LEVELS, AlgoMode, parse_mode
-from sparseconv.ops.problem import NAMESPACES, PIN_ARGUMENT, ConvProblem
+from sparseconv.ops import sparse_conv3d
+from sparseconv.backends import explicit, registry
+from sparseconv.backends.algos import LEVELS, AlgoMode, parse_mode
+from sparseconv.backends.problem import NAMESPACES, PIN_ARGUMENT, ConvProblem
 from sparseconv.tune.pools import candidate_pool
 
 FORWARD, DGRAD, WGRAD = NAMESPACES
 
-# The audit of every backend (ops/backends/): which (namespace, params) are deterministic. A new
+# The audit of every backend (backends/): which (namespace, params) are deterministic. A new
 # backend fails test_every_backend_is_audited until it is listed here with its reason.
 EXPECTED = {
     "explicit_gemm": lambda ns, p: True,  # per offset, index_add_ meets each row once
@@ -241,17 +241,19 @@ def chosen_algorithms():
     """Every (namespace, candidate id) the tuner runs inside the block."""
     chosen: list[tuple[str, str]] = []
 
+    run = sparseconv.tune.run
+
     def spy(namespace, problem, pin, a, b, kernel_map, record=None):
         record = {} if record is None else record
-        out = sparseconv.tune.run(namespace, problem, pin, a, b, kernel_map, record)
+        out = run(namespace, problem, pin, a, b, kernel_map, record)
         chosen.append((namespace, record[namespace]))
         return out
 
-    previous = dispatch.set_runner(spy)
+    sparseconv.tune.run = spy  # what ops.dispatch calls for every product
     try:
         yield chosen
     finally:
-        dispatch.set_runner(previous)
+        sparseconv.tune.run = run
 
 
 def _all_marked(chosen: list[tuple[str, str]]) -> bool:
@@ -377,11 +379,11 @@ def test_every_deterministic_candidate_repeats_bitwise_on_cuda(dtype):
     coords = random_coords(30000, 40, device="cuda")
     feats = torch.randn(len(coords), 64, device="cuda", dtype=dtype, requires_grad=True)
     weight = torch.randn(27, 64, 64, device="cuda", dtype=dtype, requires_grad=True)
-    previous = dispatch.set_runner(capture)
+    run, sparseconv.tune.run = sparseconv.tune.run, capture  # what ops.dispatch calls for every product
     try:
         sparse_conv3d(SparseTensor(coords, feats), weight).feats.sum().backward()
     finally:
-        dispatch.set_runner(previous)
+        sparseconv.tune.run = run
     assert sorted(p[0] for p in products) == sorted(NAMESPACES)
     for namespace, problem, a, b, kernel_map in products:
         for candidate in candidate_pool(namespace, problem, AlgoMode("auto", (), "test"), "quick", True):

@@ -14,9 +14,9 @@ from sparse_reference import relative_error
 
 from sparseconv.coords import KernelMapKey
 from sparseconv.coords import kernel_map as kernel_map_module
-from sparseconv.ops.backends import explicit, get, implicit_triton, mask_triton, mask_views, planned_views
-from sparseconv.ops.backends.triton_launch import Bound
-from sparseconv.ops.problem import ConvProblem
+from sparseconv.backends import explicit, get, implicit_triton, mask_triton, mask_views, planned_views
+from sparseconv.backends.triton_launch import Bound
+from sparseconv.backends.problem import ConvProblem
 
 CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2", "transposed_k3_s2",
                                         "generative_k3_s1")]
@@ -196,7 +196,8 @@ def test_views_whose_kernels_are_not_compiled_yet_are_built_by_torch_the_same(de
     """A cold process's first batch: while the compile gate says a view kernel is not compiled (it compiles
     in the background), pair counts, pair lists and the fused norm come from torch's ops, equal to the
     kernels' (the counts and lists exactly; the norm's one rounding against torch's three), launching none."""
-    from sparseconv.ops.backends import triton_launch
+    from sparseconv.backends import triton_launch
+    from sparseconv.backends import compiling as background_compiles
     from sparseconv.ops.features import channel_affine
 
     _, cold = _input_and_map(CASES[0], 2, device, torch.float32, n=300, extent=9 if device == "cpu" else 40)
@@ -207,7 +208,7 @@ def test_views_whose_kernels_are_not_compiled_yet_are_built_by_torch_the_same(de
     with pytest.MonkeyPatch.context() as compiling:
         compiling.setattr(triton_launch, "_READY", set())
         compiling.setattr(triton_launch, "_COMPILED", {})
-        compiling.setattr(triton_launch, "_gate", lambda *a: False)
+        compiling.setattr(background_compiles, "kernel_ready", lambda *a: False)
         compiling.setattr(triton_launch, "_launch", lambda kernel, *a: launched.append(kernel))
         counts, pairs = cold.offset_counts, cold.pairs
         fused = channel_affine(feats, scale, shift, residual, relu=True)
@@ -506,7 +507,7 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
     # plan); a layer then takes the plan it would have built, and builds none itself.
     from sparseconv import SparseTensor
     from sparseconv.coords import KernelMap
-    from sparseconv.ops.backends import triton_kernels as tk
+    from sparseconv.backends import triton_kernels as tk
     from sparse_reference import random_coords
 
     subm = KernelMapKey(0, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False)

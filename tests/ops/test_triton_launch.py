@@ -5,7 +5,8 @@ with a stand-in kernel: no GPU, no compiler; a real hook on the GPU)."""
 import pytest
 import torch
 
-from sparseconv.ops.backends import triton_launch as tk
+from sparseconv.backends import compiling
+from sparseconv.backends import triton_launch as tk
 
 
 class Compiled:
@@ -204,7 +205,7 @@ def test_a_real_launch_hook_sees_the_direct_launches():
     """Triton 3.6's hook chain (or an older Triton's hook) is called for a launch that went direct
     before the hook was installed, and not after it is removed."""
     pytest.importorskip("triton")
-    from sparseconv.ops.backends import mask_views, triton_kernels
+    from sparseconv.backends import mask_views, triton_kernels
 
     table = torch.arange(8, dtype=torch.int32, device="cuda").view(8, 1)
     counts = torch.ones(1, dtype=torch.int64, device="cuda")
@@ -244,7 +245,7 @@ def gate(monkeypatch, direct):
         asks.append((key, hook, args))
         return sum(1 for k, _, _ in asks if k == key) > 1
 
-    monkeypatch.setattr(tk, "_gate", ask)
+    monkeypatch.setattr(compiling, "kernel_ready", ask)
     monkeypatch.setattr(tk, "_READY", set())
     Kernels.kernel = Kernel()
     return asks
@@ -266,27 +267,30 @@ def test_a_kernel_not_compiled_yet_launches_nothing_and_is_compiled_by_the_gate(
     assert len(gate) == 4 and gate[2][0] != gate[3][0] != gate[0][0]
 
 
-def test_without_a_gate_every_kernel_launches(monkeypatch, direct):
-    monkeypatch.setattr(tk, "_gate", None)
+def test_where_the_gate_allows_every_kernel_launches(monkeypatch, direct):
+    monkeypatch.setattr(compiling, "kernel_ready", lambda *args: True)
     Kernels.kernel = Kernel()
     x = torch.zeros(8)
     assert tk.launch_ready((kernels_of, "kernel"), (2,), x, x, 8, BLOCK=4)
     assert ways(Kernels.kernel) == ["triton"]
 
 
-def test_the_tuners_gate_compiles_in_the_background_where_products_do(monkeypatch, view_gate):
+def test_the_view_gate_compiles_in_the_background_where_products_do(monkeypatch, view_gate):
     # On a GPU outside traces and captures, not in deterministic mode (whose first batches would round the fused
     # norm otherwise than later ones), and with background compiles on: elsewhere in the call.
     import sparseconv
-    import sparseconv.tune as tune
-    from sparseconv.tune import tuner
 
-    assert view_gate is tuner.compile_view, "the tuner registers its gate"
     asked = []
-    monkeypatch.setattr(tune.get_tuner(), "compile_view", lambda *a: asked.append(a) or False)
+
+    class Workers:  # the process's background workers, as the tuner's products share them
+        def ready(self, *args):
+            asked.append(args)
+            return False
+
+    monkeypatch.setattr(compiling, "background", Workers)
     x = torch.zeros(4)
     assert view_gate(x, "k", tk.warm_kernel, ()) and not asked, "a CPU tensor"
-    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)  # as a CUDA tensor would be
+    monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)  # as a CUDA tensor would be
     monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
     assert view_gate(x, "k", tk.warm_kernel, ()) and not asked
     monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "1")
@@ -306,10 +310,10 @@ def test_a_view_kernel_compiles_in_a_worker_while_torch_builds_the_view(monkeypa
     import sparseconv.tune as tune
     from sparseconv import SparseTensor
     from sparseconv.coords import KernelMapKey
-    from sparseconv.ops.backends import planned_views
+    from sparseconv.backends import planned_views
 
     monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "1")
-    monkeypatch.setattr(tk, "_gate", view_gate)
+    monkeypatch.setattr(compiling, "kernel_ready", view_gate)
     monkeypatch.setattr(tk, "_READY", set())
     monkeypatch.setattr(tk, "_COMPILED", {})
     coords = torch.randint(0, 30, (3000, 4), dtype=torch.int32)

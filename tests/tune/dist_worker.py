@@ -27,7 +27,7 @@ def run_rank(rank: int, world: int, root: str, scenario: str) -> None:
 
     from sparseconv import SparseTensor, tune
     from sparseconv.ops import sparse_conv3d
-    from sparseconv.ops.backends import Backend, explicit, register
+    from sparseconv.backends import Backend, explicit, register
 
     order = dist.FileStore(str(root_path / "order"), world)
     # A rank's own timings favour fake_b on rank 0 and fake_a elsewhere: only agreement makes

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from sparseconv.ops.backends import Backend, explicit, register, unregister
-from sparseconv.ops.problem import NAMESPACES
+from sparseconv.backends import Backend, explicit, register, unregister
+from sparseconv.backends.problem import NAMESPACES
 
 ALL = frozenset(NAMESPACES)
 

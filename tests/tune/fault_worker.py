@@ -26,7 +26,7 @@ def main(role: str, cache_dir: str, *args: str) -> None:
 
     from sparseconv import SparseTensor
     from sparseconv.ops import sparse_conv3d
-    from sparseconv.ops.backends import Backend, explicit, register
+    from sparseconv.backends import Backend, explicit, register
 
     device = "cuda" if role == "scribble" else "cpu"
     calls: list[str] = []

@@ -18,7 +18,8 @@ import msgpack
 import pytest
 
 from sparseconv.tune import cache as cache_module
-from sparseconv.tune.cache import SCHEMA_VERSION, TuneCache
+from sparseconv.tune.cache import TuneCache
+from sparseconv.tune.cachefile import SCHEMA_VERSION
 
 LOGGER = "sparseconv.tune.cache"
 # Child processes load cache.py by its file: importing the package pulls in torch (~1.5 s a

@@ -10,9 +10,9 @@ from fakes import Calls, fast, registered, slow
 import sparseconv.tune
 import sparseconv.tune.tuner
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import Backend, explicit
+from sparseconv.backends import Backend, explicit
 from sparseconv.ops.dispatch import check_algo
-from sparseconv.ops.problem import NAMESPACES
+from sparseconv.backends.problem import NAMESPACES
 
 SUBMANIFOLD = MODES[1]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparseconv.tune
-from sparseconv.ops.problem import ConvProblem
+from sparseconv.backends.problem import ConvProblem
 from sparseconv.tune import Candidate, Config, autotune, make_key
 from sparseconv.tune.key import density_bucket, device_identity, size_bucket
 

@@ -172,7 +172,7 @@ def test_a_claim_left_unpublished_too_long_is_taken_over(store):
 
 def test_populate_on_several_devices_splits_the_grid_and_merges_one_file(tmp_path, monkeypatch):
     from sparseconv.tune import get_tuner
-    from sparseconv.tune.cli import populate_devices
+    from sparseconv.cli.cache import populate_devices
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # interpreted Triton candidates: minutes
     # Two processes on devices of one model (here the CPU): each tunes one of the two sizes.
@@ -182,7 +182,7 @@ def test_populate_on_several_devices_splits_the_grid_and_merges_one_file(tmp_pat
 
 
 def test_devices_of_one_model_split_the_populate_grid_and_another_model_gets_it_whole():
-    from sparseconv.tune.cli import split_grid
+    from sparseconv.cli.cache import split_grid
 
     shares = split_grid([1, 2, 3], ["cuda:0", "cuda:1", "cuda:2"], ["H200", "H200", "A100"])
     assert shares == [("cuda:0", [1, 3]), ("cuda:1", [2]), ("cuda:2", [1, 2, 3])]

@@ -21,7 +21,7 @@ from test_cache import python, read_file
 
 import sparseconv.tune
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import Backend, explicit
+from sparseconv.backends import Backend, explicit
 from sparseconv.tune import faults
 from sparseconv.tune.cache import TuneCache
 from sparseconv.tune.timing import Timer, TimingPlan, TooSlow
@@ -254,13 +254,13 @@ SIGNAL_MID_WRITE = """
     cache.install_exit_hooks()
     for i in range(5):
         cache.put("ns", f"k{i}", {"evidence": 1, "updated": time.time()})  # the first put writes k0
-    write = module._write_atomic
+    write = module.write_entries
 
     def interrupted(path, entries):
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, before the new file is in place
         write(path, entries)
 
-    module._write_atomic = interrupted
+    module.write_entries = interrupted
     cache.flush(force=True)
     raise AssertionError("SIGTERM did not end the process")
 """

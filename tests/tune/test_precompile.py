@@ -13,8 +13,8 @@ from fakes import Calls, registered
 
 import sparseconv.tune
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import Backend, explicit
-from sparseconv.ops.backends.registry import always_deterministic
+from sparseconv.backends import Backend, explicit
+from sparseconv.backends.registry import always_deterministic
 
 FWD = "AB_gather_scatter"
 LEVELS = 4
@@ -94,8 +94,8 @@ def test_precompiled_triton_kernels_are_the_ones_the_run_launches(mode, dtype):
     """After the hooks of every Triton candidate, running them compiles nothing more: the hooks
     pass what the runs pass (dtypes, alignment, the integers Triton specialises on)."""
     from sparseconv.coords import KernelMapKey
-    from sparseconv.ops.backends import get, triton_kernels
-    from sparseconv.ops.problem import ConvProblem
+    from sparseconv.backends import get, triton_kernels
+    from sparseconv.backends.problem import ConvProblem
     from sparseconv.tune.configs import Candidate
     from sparseconv.tune.precompile import precompile
 
@@ -151,9 +151,9 @@ def test_a_decided_choice_compiles_in_a_worker_process_while_the_reference_runs(
 
     import background_fakes
 
-    from sparseconv.tune import tuner
+    from sparseconv.backends import compiling
 
-    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)  # the CPU stands in for a GPU here
+    monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)  # the CPU stands in for a GPU here
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
     calls = Calls()
@@ -190,9 +190,9 @@ def test_a_decided_choice_compiles_in_a_worker_process_while_the_reference_runs(
 def test_a_decided_choice_compiles_in_the_call_where_the_background_does_not_apply(how, tmp_path, monkeypatch):
     import background_fakes
 
-    from sparseconv.tune import tuner
+    from sparseconv.backends import compiling
 
-    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)
+    monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
@@ -214,16 +214,16 @@ def test_warmup_waits_for_the_background_and_leaves_every_choice_compiled(tmp_pa
     import background_fakes
 
     from sparseconv.nn import SparseConv3d
-    from sparseconv.tune import tuner
+    from sparseconv.backends import compiling
 
-    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)
+    monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
     _decided_in_an_earlier_process(calls, x, monkeypatch)
     with registered(_background_backend(calls)):
         conv = SparseConv3d(4, 5, 3, bias=False, fwd_algo=["fake_compiled"])
-        sparseconv.tune.warmup(conv, x)
+        sparseconv.warmup(conv, x)
         assert not sparseconv.tune.get_tuner().compiling()
         record = {}
         sparse_conv3d(x, conv.weight.detach(), record=record, fwd_algo=["fake_compiled"])
@@ -234,7 +234,7 @@ def test_warmup_waits_for_the_background_and_leaves_every_choice_compiled(tmp_pa
 def test_background_jobs_that_compile_the_same_kernels_are_one_job(tmp_path, monkeypatch):
     import background_fakes
 
-    from sparseconv.tune.precompile import Background
+    from sparseconv.backends.compiling import Background
 
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
@@ -256,9 +256,10 @@ def test_a_sweep_waits_for_its_candidates_to_compile_in_the_background(tmp_path,
 
     import background_fakes
 
+    from sparseconv.backends import compiling
     from sparseconv.tune import tuner
 
-    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)
+    monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)
     monkeypatch.setattr(tuner, "SWEEP_IN_BACKGROUND", LEVELS)  # as if LEVELS were the cost model's picks
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
@@ -280,9 +281,10 @@ def test_a_sweep_waits_for_its_candidates_to_compile_in_the_background(tmp_path,
 def test_a_sweep_of_more_than_the_cost_models_picks_compiles_in_the_call(tmp_path, monkeypatch):
     import background_fakes
 
+    from sparseconv.backends import compiling
     from sparseconv.tune import tuner
 
-    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)
+    monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     assert tuner.SWEEP_IN_BACKGROUND < LEVELS  # no model: all LEVELS candidates are timed at once
     with registered(_background_backend(Calls())):
@@ -293,8 +295,8 @@ def test_the_cutlass_backends_compile_one_set_of_tiles_per_dtype_whatever_the_la
     # Their hook compiles every tile of the dtype: background jobs of any of their layers are one.
     import dataclasses
 
-    from sparseconv.ops.backends import get
-    from sparseconv.ops.problem import ConvProblem
+    from sparseconv.backends import get
+    from sparseconv.backends.problem import ConvProblem
 
     small = ConvProblem(100, 90, 16, 32, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False, torch.float16,
                         torch.device("cuda", 0))
@@ -318,9 +320,10 @@ def test_a_rank_beside_one_timing_a_key_runs_the_reference_then_compiles_the_pub
 
     import background_fakes
 
+    from sparseconv.backends import compiling
     from sparseconv.tune import tuner
 
-    monkeypatch.setattr(tuner, "_on_gpu_eagerly", lambda a: True)  # the CPU stands in for a GPU here
+    monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)  # the CPU stands in for a GPU here
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
     published = {FWD: ""}  # "": claimed by another rank, not published yet

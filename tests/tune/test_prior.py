@@ -16,7 +16,7 @@ from fakes import Calls, registered
 
 import sparseconv.tune
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import Backend, explicit
+from sparseconv.backends import Backend, explicit
 from sparseconv.tune import prior
 from sparseconv.tune.cache import TuneCache
 from sparseconv.tune.configs import Candidate

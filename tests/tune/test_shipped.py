@@ -19,8 +19,9 @@ import sparseconv.tune
 from sparseconv.models import MinkUNet
 from sparseconv.__main__ import main
 from sparseconv.ops import sparse_conv3d
-from sparseconv.tune import populate, shipped, timing
-from sparseconv.tune.cache import SCHEMA_VERSION, _read
+from sparseconv.cli import populate
+from sparseconv.tune import shipped, timing
+from sparseconv.tune.cachefile import SCHEMA_VERSION, read_entries
 from sparseconv.tune.key import device_identity
 
 FWD = "AB_gather_scatter"
@@ -154,7 +155,7 @@ def test_an_unusable_shipped_file_is_a_warning_and_ignored(data_dir, x, caplog, 
 def test_only_the_file_of_the_keys_device_is_read(data_dir, monkeypatch):
     (data_dir / shipped.device_file_name("cuda Other GPU sm90 1SM")).write_bytes(b"\xc1 never read")
     read = []
-    monkeypatch.setattr(shipped, "_read", lambda path: read.append(path.name) or {})
+    monkeypatch.setattr(shipped, "read_entries", lambda path: read.append(path.name) or {})
     assert shipped.lookup(FWD, f"v1|n1>1|{CPU}") is None and read == []
     plant(data_dir, {})
     shipped.forget()  # the folder is listed once
@@ -174,7 +175,7 @@ def test_populate_tunes_a_model_and_exports_a_file_that_then_serves_every_key(tm
     tuned = int(out.out.split("tuned ", 1)[1].split(" keys")[0])
     assert tuned > 5 and "sparseconv tune populate" in out.err  # the progress bar
     exported = data_dir / shipped.device_file_name(CPU)
-    entries = _read(exported)
+    entries = read_entries(exported)
     assert len(entries) == tuned and f"exported {tuned} entries" in out.out
     assert all(CPU in key.split("|") for _, key in entries)
     assert {ns for ns, _ in entries} == {"AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather"}
@@ -193,7 +194,7 @@ def test_export_without_tunings_says_so(tmp_path, capsys):
 
 
 def test_populate_rejects_bad_arguments():
-    from sparseconv.tune.populate import populate
+    from sparseconv.cli.populate import populate
 
     with pytest.raises(ValueError, match="scenes must be a non-empty list"):
         populate(scenes="street1")
@@ -207,7 +208,7 @@ def test_populate_passes_again_until_no_product_waits_for_a_background_compile(m
     """On a GPU a product whose kernels compile in the background runs the reference and is timed
     at a later call: populate waits for the compiles and passes again, until none waits (bounded)."""
     import sparseconv.tune
-    from sparseconv.tune import populate as populate_module
+    from sparseconv.cli import populate as populate_module
 
     waiting = [3, 1, 0]
     events = []

@@ -12,7 +12,7 @@ from fakes import Calls, fast, registered, slow, wrong
 
 import sparseconv.tune
 from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.backends import Backend, explicit
+from sparseconv.backends import Backend, explicit
 
 SUBMANIFOLD = MODES[1]
 

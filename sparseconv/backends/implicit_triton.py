@@ -15,8 +15,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ...coords.kernel_map import KernelMap
-from ..problem import ConvProblem
+from ..coords.kernel_map import KernelMap
+from .problem import ConvProblem
 from . import mask_triton, mask_views
 from . import triton_kernels as tk
 from .cuda_launch import current_stream, index_of

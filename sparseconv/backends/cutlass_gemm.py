@@ -32,11 +32,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ...coords.kernel_map import KernelMap
-from ..problem import ConvProblem
+from ..coords.kernel_map import KernelMap
+from .problem import ConvProblem
 from . import cuda_jit, cuda_launch
 from .mask_views import one_pair_per_row, product_table, sorted_rows, tile_offsets
 from .registry import Backend, always_deterministic, inner_autotune, register
+
+INNER = "sparseconv.ops.backends.cutlass_gemm."
+"""The inner configurations' cache names begin so (the module's path until 2026-11-28): what the shipped
+tunings and users' caches know them by, kept when the module moved (a renamed namespace is retuned)."""
 
 SOURCE = "sparse_gemm.cu"
 ELEMENT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -179,7 +183,7 @@ def gather_table(kernel_map: KernelMap, forward: bool,
     return kernel_map.derived(("cutlass_rows", forward, lo, hi), build)
 
 
-@inner_autotune(TILES, key=("op", "dtype", "channels", "rows"))
+@inner_autotune(TILES, key=("op", "dtype", "channels", "rows"), name=INNER + "_grouped")
 def _grouped(tile: Tile, source: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap,
              forward: bool) -> None:
     table, order, sources = gather_table(kernel_map, forward)
@@ -210,7 +214,7 @@ def run_grouped(namespace: str, problem: ConvProblem, params: Mapping, a: torch.
 
 # ---------------------------------------------------------------- cutlass_implicit_gemm ---------
 
-@inner_autotune(TILES, key=("op", "dtype", "channels", "rows"))
+@inner_autotune(TILES, key=("op", "dtype", "channels", "rows"), name=INNER + "_pairs")
 def _pairs(tile: Tile, a: torch.Tensor, w: torch.Tensor, kernel_map: KernelMap, forward: bool) -> torch.Tensor:
     """(rows, cols) fp32: the per-offset launches accumulate into it (a fresh one per call)."""
     in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)
@@ -253,7 +257,7 @@ def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
-@inner_autotune(TILES, key=("op", "dtype", "channels", "rows"))
+@inner_autotune(TILES, key=("op", "dtype", "channels", "rows"), name=INNER + "_single")
 def _single(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap,
             forward: bool) -> None:
     in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)
@@ -296,7 +300,7 @@ def _chunks(kernel_map: KernelMap, chunk: int) -> tuple[torch.Tensor, torch.Tens
     return blocks[:, 1:].contiguous(), starts
 
 
-@inner_autotune(WGRAD_TILES, key=("dtype", "channels", "pairs"))
+@inner_autotune(WGRAD_TILES, key=("dtype", "channels", "pairs"), name=INNER + "_wgrad")
 def _wgrad(tile: WgradTile, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
     """(K, C_in, C_out) in a's dtype: each chunk's product in fp32, then each offset's chunks summed."""
     in_idx, out_idx = kernel_map.derived("pairs_int32", _pairs_int32)

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from ... import config
-from . import cuda_jit, cutlass_gemm, cutlass_sm90
+from .. import config
+from ..backends import cuda_jit, cutlass_gemm, cutlass_sm90
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -25,11 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...coords.kernel_map import KernelMap
-from ..problem import ConvProblem
+from ..coords.kernel_map import KernelMap
+from .problem import ConvProblem
 from . import cuda_jit, cutlass_gemm
 from .mask_views import active_lists, offset_groups
 from .registry import Backend, always_deterministic, inner_autotune, register
+
+INNER = "sparseconv.ops.backends.cutlass_sm90."
+"""The inner configurations' cache names begin so (the module's path until 2026-11-28): what the shipped
+tunings and users' caches know them by, kept when the module moved (a renamed namespace is retuned)."""
 
 SOURCE = "rows_sm90.cu"
 ARCH = "sm_90a"
@@ -135,7 +139,7 @@ def _group_lists(kernel_map: KernelMap, forward: bool, block_m: int,
     return kernel_map.derived(("sm90_lists", forward, block_m, *group), build)
 
 
-@inner_autotune(TILES, key=("op", "dtype", "channels", "rows", "splits"))
+@inner_autotune(TILES, key=("op", "dtype", "channels", "rows", "splits"), name=INNER + "_rows")
 def _rows(tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kernel_map: KernelMap, forward: bool,
           groups: tuple[tuple[int, int], ...]) -> None:
     """out (rows, cols), written in full: the forward (ab) or dgrad (abt) product of ``a`` and W,

@@ -25,10 +25,10 @@ def warmup(model: nn.Module, example_input: object) -> None:
     A ``torch.compile``-d module is run through its original module.
     """
     if torch.compiler.is_compiling():
-        raise RuntimeError("sparseconv.tune.warmup runs eagerly: call it before the compiled model, not inside it")
+        raise RuntimeError("sparseconv.warmup runs eagerly: call it before the compiled model, not inside it")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from . import get_tuner
+    from ..tune import get_tuner
 
     model = getattr(model, "_orig_mod", model)  # an OptimizedModule (torch.compile) would trace instead
     args = example_input if isinstance(example_input, tuple) else (example_input,)
@@ -40,7 +40,7 @@ def warmup(model: nn.Module, example_input: object) -> None:
         tuner.wait_for_compiles()
     inputs = [a for a in args if isinstance(a, SparseTensor)]
     if inputs:
-        from ..ops import compiled  # here: it loads Dynamo
+        from . import compiled  # here: it loads Dynamo
 
         compiled.learn_maps(inputs[0].cache)
 

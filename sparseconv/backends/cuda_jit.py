@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ... import config
+from .. import config
 from .cuda_launch import index_of
 
 CSRC_FILES = ("rows_sm90.cu", "sparse_gemm.cu")
@@ -45,7 +45,7 @@ def csrc_dir() -> Path:
     is a subprocess and needs a file name. The wheel's copy is looked for first, so an installed
     package never reads a stray ``csrc/`` next to it in site-packages.
     """
-    package = Path(__file__).resolve().parents[2]
+    package = Path(__file__).resolve().parents[1]
     for candidate in (package / "_csrc", package.parent / "csrc"):
         if all((candidate / name).is_file() for name in CSRC_FILES):
             return candidate

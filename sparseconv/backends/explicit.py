@@ -18,9 +18,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ...coords.kernel_map import KernelMap
-from ...precision import accumulator_dtype
-from ..problem import NAMESPACES, ConvProblem
+from ..coords.kernel_map import KernelMap
+from ..precision import accumulator_dtype
+from .problem import NAMESPACES, ConvProblem
 from .registry import Backend, always_deterministic, register
 
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ... import config
-from ...coords.kernel_map import KernelMap, set_pair_builder
+from .. import config
+from ..coords.kernel_map import KernelMap, set_pair_builder
 from . import triton_kernels as tk
 from .triton_launch import launch, launch_ready, warm
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...coords.kernel_map import KernelMap
-from ..problem import NAMESPACES, ConvProblem
+from ..coords.kernel_map import KernelMap
+from .problem import NAMESPACES, ConvProblem
 
 RunFn = Callable[[str, ConvProblem, Mapping, torch.Tensor, torch.Tensor, KernelMap], torch.Tensor]
 
@@ -123,7 +123,7 @@ def names(namespace: str | None = None) -> list[str]:
 # ------------------------------------------------------------ inner configurations -------------
 
 InnerTuner = Callable[..., Callable[[Callable], Callable]]
-"""``tuner(configs, key) -> decorator``: what :func:`sparseconv.tune.autotune` is."""
+"""``tuner(configs, key, name=) -> decorator``: what :func:`sparseconv.tune.autotune` is."""
 
 _inner_tuner: InnerTuner | None = None
 
@@ -131,18 +131,20 @@ _inner_tuner: InnerTuner | None = None
 def set_inner_tuner(tuner: InnerTuner | None) -> InnerTuner | None:
     """Hand down the decorator that tunes a backend's inner configurations; returns the previous one.
 
-    ``sparseconv.tune`` registers its ``autotune`` when imported, as it registers the runner
-    (:func:`sparseconv.ops.dispatch.set_runner`): the backends sit below the tuner and never import it.
+    The one place that sets it: :func:`sparseconv.tune.get_tuner`, when it makes the process's tuner (every
+    product runs through it, so before any backend's kernel runs). The backends sit below the tuner and
+    never import it; their inner configurations are timed and cached by its machinery all the same.
     """
     global _inner_tuner
     previous, _inner_tuner = _inner_tuner, tuner
     return previous
 
 
-def inner_autotune(configs: Sequence, key: Sequence[str]) -> Callable[[Callable], Callable]:
-    """``@inner_autotune(configs, key)`` on ``fn(config, *args, **key_kwargs)``: the registered
-    tuner's decorator, bound on the first call (a kernel runs inside a product, whose dispatch has
-    loaded the tuner by then); ``__wrapped__`` is ``fn``, to run one config by hand."""
+def inner_autotune(configs: Sequence, key: Sequence[str], name: str) -> Callable[[Callable], Callable]:
+    """``@inner_autotune(configs, key, name)`` on ``fn(config, *args, **key_kwargs)``: the registered
+    tuner's decorator, bound on the first call (a kernel runs inside a product, which the tuner runs);
+    ``name``: the configurations' cache namespace, ``autotune:<name>``; ``__wrapped__`` is ``fn``, to run
+    one config by hand."""
 
     def wrap(fn: Callable) -> Callable:
         tuned: Callable | None = None
@@ -152,8 +154,8 @@ def inner_autotune(configs: Sequence, key: Sequence[str]) -> Callable[[Callable]
             nonlocal tuned
             if tuned is None:
                 if _inner_tuner is None:
-                    raise RuntimeError(f"{fn.__qualname__}: no inner tuner registered (import sparseconv.tune first)")
-                tuned = _inner_tuner(configs, key)(fn)
+                    raise RuntimeError(f"{fn.__qualname__}: no inner tuner registered (sparseconv.tune.get_tuner() sets it)")
+                tuned = _inner_tuner(configs, key, name=name)(fn)
             return tuned(*args, **kwargs)
 
         return call

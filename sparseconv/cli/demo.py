@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import config
-from .data import CLASS_NAMES, make_scene
-from .metrics import confusion_matrix, iou_per_class
-from .models import MinkUNet14
-from .tensor import SparseTensor
+from .. import config
+from ..data import CLASS_NAMES, make_scene
+from ..metrics import confusion_matrix, iou_per_class
+from ..models import MinkUNet14
+from ..tensor import SparseTensor
 
 logger = logging.getLogger("sparseconv")
 
@@ -85,7 +85,7 @@ def run_demo(
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
     if plot is not None:
         # Fail now rather than after minutes of training.
-        from .viz import require_matplotlib
+        from ..viz import require_matplotlib
 
         if not Path(plot).parent.is_dir():
             raise ValueError(f"plot: the folder of {str(plot)!r} does not exist")
@@ -149,7 +149,7 @@ def run_demo(
     iou = iou_per_class(confusion)
     saved = None
     if plot is not None:
-        from .viz import save_bev_comparison
+        from ..viz import save_bev_comparison
 
         title = (
             f"MinkUNet14 (width {width}) after {steps} steps, held-out {scene} scene: mIoU {float(iou.nanmean()):.1%}"
@@ -215,8 +215,8 @@ def format_report(report: dict) -> str:
 
 def _tuner_report(model: torch.nn.Module) -> dict:
     """What the tuner chose for every conv layer (forward, dgrad, wgrad) and where it keeps that."""
-    from .nn import SparseConv3d
-    from .tune import get_tuner
+    from ..nn import SparseConv3d
+    from ..tune import get_tuner
 
     layers = {
         name: [module.algorithms.get(ns, "-") for ns in ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")]
@@ -241,7 +241,7 @@ def _tuner_lines(report: dict) -> list[str]:
 
 def _tuned_count() -> int:
     """Entries in the tuner's cache: each problem the tuner times adds one."""
-    from .tune import get_tuner
+    from ..tune import get_tuner
 
     return len(get_tuner().cache.items())
 

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ... import config
+from .. import config
 
 
 _DEFINED: SimpleNamespace | None = None

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ...coords.kernel_map import KernelMap
-from ..problem import ConvProblem
+from ..coords.kernel_map import KernelMap
+from .problem import ConvProblem
 from . import mask_views
 from . import triton_kernels as tk
 from .triton_launch import Bound, warm

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..ops.problem import NAMESPACES
+from ..backends.problem import NAMESPACES
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -32,7 +32,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import get_tuner
+    from ..tune import get_tuner
 
     cache = get_tuner().cache
     if args.action == "show":
@@ -119,7 +119,7 @@ def populate_devices(devices: list[str], rows: list[int], channels: list[int], k
     the device model, so devices of one model split the grid and every other model gets it whole."""
     import torch.multiprocessing as mp
 
-    from .key import device_identity
+    from ..tune.key import device_identity
 
     identities = [device_identity(torch.device(device)) for device in devices]
     shares = split_grid(list(itertools.product(rows, channels, kernels)), devices, identities)
@@ -144,7 +144,7 @@ def split_grid(grid: list, devices: list[str], identities: list[str]) -> list[tu
 
 
 def _populate_share(device: str, grid: list[tuple[int, int, str]], dtype: str, position: int) -> None:
-    from . import get_tuner
+    from ..tune import get_tuner
 
     dev = torch.device(device)
     if dev.type == "cuda":

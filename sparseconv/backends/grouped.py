@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...coords.kernel_map import KernelMap
-from ...precision import accumulator_dtype
-from ..problem import NAMESPACES, ConvProblem
+from ..coords.kernel_map import KernelMap
+from ..precision import accumulator_dtype
+from .problem import NAMESPACES, ConvProblem
 from .registry import Backend, register
 
 WASTE_SPACE = (0.25, 0.0, 0.1, 0.5, 1.0)  # the first is the default of a single-name pin

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from . import shipped
-from .key import device_identity
+from ..tune import shipped
+from ..tune.key import device_identity
 
 # Named as in scripts/bench_layers.py: (kind, voxel size in m, scenes per batch, make_scene scale);
 # street1 is one LiDAR sweep at 5 cm (~90k voxels), street4 four, room2 two rooms at 2 cm.
@@ -116,7 +116,7 @@ def populate(
                     bar.set_postfix(scene=scene, dtype=dtype_name, keys=len(_this_device(identity)), refresh=False)
                     bar.update()
     seconds = time.perf_counter() - start
-    from . import get_tuner
+    from ..tune import get_tuner
 
     get_tuner().cache.flush(force=True)
     after = _this_device(identity)
@@ -132,7 +132,7 @@ def _settle(net, coords: torch.Tensor, dtype: torch.dtype, dev: torch.device) ->
     """On a GPU a product whose kernels are not compiled yet runs the reference while they compile
     in the background, and is timed and stored at a later call: wait for them and pass again until
     none is left (a single pass stored 30 of street1's 74 keys on an H200 without this)."""
-    from . import get_tuner, wait_for_compiles
+    from ..tune import get_tuner, wait_for_compiles
 
     for _ in range(SETTLE_PASSES):
         if dev.type == "cuda":
@@ -146,7 +146,7 @@ def _settle(net, coords: torch.Tensor, dtype: torch.dtype, dev: torch.device) ->
 def export(path: str | os.PathLike, device: str | torch.device | None = None) -> tuple[Path, int]:
     """Write the tunings of ``device`` (the user's cache over the shipped ones) to ``path``, or to
     ``path/<device>.msgpack`` if it is a folder; returns (the file, its entry count); raises OSError."""
-    from . import get_tuner
+    from ..tune import get_tuner
 
     identity = device_identity(_device(device))
     entries = shipped.entries_for(identity)
@@ -183,7 +183,7 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 def _this_device(identity: str) -> dict[tuple[str, str], float]:
     """{(namespace, key): updated} of the user's cache entries of the device ``identity``."""
-    from . import get_tuner
+    from ..tune import get_tuner
 
     return {(ns, key): entry.get("updated") for ns, key, entry in get_tuner().cache.items()
             if identity in key.split("|")}

@@ -4,7 +4,7 @@ a new batch's maps at once (:func:`sparseconv.coords.prebuild.add_view_builder`)
 orders with one mask launch and one sort (:func:`build_planned_orders`), the forward tile plans with
 one launch per tile height (:func:`build_planned_tile_plans`, after the orders it reads), and every
 map's pairs per offset in one launch (:func:`pair_counts`). Registered with the plan on import
-(``sparseconv/ops/backends/__init__.py`` imports this module).
+(``sparseconv/backends/__init__.py`` imports this module).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import itertools
 
 import torch
 
-from ...coords import prebuild
-from ...coords.kernel_map import KernelMap, set_pair_counter
+from ..coords import prebuild
+from ..coords.kernel_map import KernelMap, set_pair_counter
 from . import triton_kernels as tk
 from .mask_views import (
     MASK_ROWS, PLAN_VIEW, PLANNED_SHIFT, ROWS_VIEW, _pair_block, _plan_layout, _plan_views, _rows_key, block_width,

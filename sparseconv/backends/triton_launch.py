@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ... import config
+from .. import config
+from . import compiling
 from .cuda_launch import current_stream
 
 
@@ -28,16 +29,17 @@ def launch(kernel, grid: tuple[int, ...], *args, **options):
 
 def launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], *args, **options) -> bool:
     """:func:`launch` of the kernel ``getattr(source[0](), source[1])`` where it is compiled for these
-    arguments, in this process or by the compile gate's background workers (:func:`set_compile_gate`);
-    else False, launching nothing, and the gate compiles it meanwhile: the caller builds its view with
+    arguments, in this process or by the background workers (:func:`.compiling.kernel_ready`);
+    else False, launching nothing, and the workers compile it meanwhile: the caller builds its view with
     torch ops. A view kernel's first launch compiled it in the call (0.1-1.1 s each on an H100 host; a
     cold process's first MinkUNet inference compiled eight, 3.0 s of its 10 s). ``source``: the module
     function returning the kernels and the kernel's name (what a worker process looks it up by)."""
     kernel = getattr(source[0](), source[1])
     key = _key(kernel, args, options, tuple(map(_specialisation, args)))
-    if key not in _READY and key not in _COMPILED and _gate is not None:
+    if key not in _READY and key not in _COMPILED:
         warm_args = tuple(arg.dtype if isinstance(arg, torch.Tensor) else arg for arg in args)
-        if not _gate(args[0], (source[1], key[1:]), warm_kernel, (source, key[1], warm_args, dict(options))):
+        if not compiling.kernel_ready(args[0], (source[1], key[1:]), warm_kernel,
+                                      (source, key[1], warm_args, dict(options))):
             return False
     _launch(kernel, grid, args, options, key)
     _READY.add(key)
@@ -47,23 +49,9 @@ def launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], *args, **o
 _READY: set[tuple] = set()
 """The launch keys :func:`launch_ready` launched (the interpreter's too, which :data:`_COMPILED` does not hold)."""
 
-CompileGate = Callable[[torch.Tensor, Hashable, Callable, tuple], bool]
-"""gate(tensor, key, hook, args): whether the kernel ``key`` names may launch on ``tensor`` (the launch's first
-argument) now, ``hook(*args)`` compiling it (in a worker process: picklable) where not; the first call queues it."""
-
-_gate: CompileGate | None = None
-
-
-def set_compile_gate(gate: CompileGate | None) -> None:
-    """Have ``gate`` say when :func:`launch_ready`'s kernels may launch (the tuner registers its background
-    compile workers; without a gate every launch compiles in the call)."""
-    global _gate
-    _gate = gate
-
-
 def warm_kernel(source: tuple[Callable, str], index: int, args: tuple, options: dict) -> None:
     """Compile ``source``'s kernel (see :func:`launch_ready`) for ``args`` (pointers as their dtype) on the
-    GPU ``index`` (the gate's hook, run in a compile worker)."""
+    GPU ``index`` (run in a compile worker)."""
     warm(getattr(source[0](), source[1]), torch.device("cuda", index), *args, **options)
 
 

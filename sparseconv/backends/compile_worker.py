@@ -1,4 +1,4 @@
-"""A background compile worker (see :class:`sparseconv.tune.precompile.Background`).
+"""A background compile worker (see :class:`sparseconv.backends.compiling.Background`).
 
 Reads jobs from stdin, each a length-prefixed pickle of ``(hook, args)``, runs ``hook(*args)``
 (a backend's ``precompile`` hook on a map's shape: the kernels land in the compilers' disk

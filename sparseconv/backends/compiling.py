@@ -1,0 +1,200 @@
+"""Kernels compiled off the critical path, in worker processes, while the caller runs something
+already compiled (:class:`Background`), and the gate that says where that applies (:func:`in_background`).
+
+The tuner queues a decided choice's kernels here (the reference runs meanwhile), and
+:func:`sparseconv.backends.triton_launch.launch_ready` a map view's kernel (torch's ops build the view
+meanwhile): one process-wide pool of workers (:func:`background`) serves both.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
+
+import torch
+
+from .. import config
+from ..coords.kernel_map import KernelMap
+
+logger = logging.getLogger("sparseconv.backends")
+
+
+class MapShape(NamedTuple):
+    """What a ``precompile`` hook may read of a kernel map (Triton specialises on none of its data):
+    the stand-in a background compile receives, since the map's tensors stay in this process."""
+
+    num_in: int
+    num_out: int
+    kernel_size: tuple[int, int, int]
+    kernel_volume: int
+    identity_offset: int | None
+    each_input_once: bool
+    each_output_once: bool
+
+    @classmethod
+    def of(cls, kernel_map: KernelMap) -> MapShape:
+        return cls(kernel_map.num_in, kernel_map.num_out, kernel_map.kernel_size, kernel_map.kernel_volume,
+                   kernel_map.identity_offset, kernel_map.each_input_once, kernel_map.each_output_once)
+
+
+class Background:
+    """Compiles the kernels of decided choices in worker processes while the caller runs the
+    reference, so a cold process starts at once instead of compiling layer after layer.
+
+    Processes, not threads: Triton's front end holds the GIL, so compile threads and the layers
+    running meanwhile slowed each other (a thread version left a street MinkUNet's compiles
+    unfinished after 25 s of training on an H100). A worker runs a backend's ``precompile`` hook
+    on a :class:`MapShape`; the compiled kernels land in the compiler's disk cache (Triton's,
+    nvcc's cubin directory), where this process's first launch finds them. The workers are
+    ``python -m sparseconv.backends.compile_worker`` (not multiprocessing, which would run the user's
+    script again in each worker); their output goes nowhere, and they end with this process.
+
+    A job that fails (a candidate that does not compile, a hook that needs more than the shape, a
+    worker that cannot start) only means that the first call here compiles it, where a failure is
+    handled as without this class (a timed candidate is disqualified in one log line).
+    """
+
+    def __init__(self, workers: int | None = None) -> None:
+        self._workers = workers or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
+        self._queue: queue.Queue | None = None
+        self._jobs: dict[Hashable, concurrent.futures.Future] = {}  # by the caller's key
+        self._compiling: dict[Hashable, concurrent.futures.Future] = {}  # by what it compiles
+        self._lock = threading.Lock()
+
+    def ready(self, key: Hashable, hook: Callable, args: tuple, compiles: Hashable) -> bool:
+        """Whether ``key``'s compile (``hook(*args)`` in a worker) has finished: the first call queues
+        it and says False; later calls say False until it is done, then True once (and forget it).
+        ``compiles`` names what the hook compiles: keys naming the same share one job (many layers
+        of a network run the same kernels on maps of other sizes)."""
+        with self._lock:
+            job = self._jobs.get(key)
+            if job is None:
+                job = self._compiling.get(compiles)
+                if job is None:
+                    try:
+                        payload = pickle.dumps((hook, args))
+                    except Exception as error:  # noqa: BLE001 - a local hook: compiled in the call instead
+                        logger.debug("sparseconv: %s cannot compile in the background: %s", key, error)
+                        return True
+                    job = self._compiling[compiles] = concurrent.futures.Future()
+                    self._start().put((job, payload, time.perf_counter()))
+                self._jobs[key] = job
+                if not job.done():
+                    return False
+            elif not job.done():
+                return False
+            del self._jobs[key]
+        error = job.exception()
+        if error is not None:
+            logger.debug("sparseconv: background compile of %s failed (its first call compiles): %s", key,
+                         (str(error).strip().splitlines() or [""])[0][:300])
+        return True
+
+    def pending(self, key: Hashable) -> bool:
+        """Whether ``key``'s compile is queued or running (starts nothing)."""
+        job = self._jobs.get(key)
+        return job is not None and not job.done()
+
+    def queued(self) -> int:
+        """How many keys had a compile queued and have not taken their choice since."""
+        return len(self._jobs)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every queued compile has finished; False if ``timeout`` seconds passed first."""
+        jobs = list(self._jobs.values())
+        done, not_done = concurrent.futures.wait(jobs, timeout=timeout)
+        return not not_done
+
+    def _start(self) -> queue.Queue:
+        if self._queue is None:
+            self._queue = queue.Queue()
+            for i in range(self._workers):
+                threading.Thread(target=self._feed, name=f"sparseconv-background-compile-{i}", daemon=True).start()
+        return self._queue
+
+    def _feed(self) -> None:
+        """One worker process, fed one job at a time (a daemon thread that only waits on pipes).
+        A worker idle for IDLE_S goes (its compiler's CUDA context holds ~0.5 GB of the GPU); the
+        next job starts another."""
+        worker = None
+        while True:
+            try:
+                job, payload, queued = self._queue.get(timeout=IDLE_S if worker is not None else None)
+            except queue.Empty:
+                worker.stdin.close()
+                worker.wait()
+                worker = None
+                continue
+            if not job.set_running_or_notify_cancel():
+                continue
+            try:
+                if worker is None or worker.poll() is not None:
+                    worker = _spawn_worker()
+                worker.stdin.write(struct.pack("<Q", len(payload)) + payload)
+                worker.stdin.flush()
+                size = worker.stdout.read(8)
+                if len(size) < 8:
+                    raise RuntimeError(f"the compile worker ended (exit code {worker.wait()})")
+                error, seconds = pickle.loads(worker.stdout.read(struct.unpack("<Q", size)[0]))
+            except Exception as failure:  # noqa: BLE001 - reported through the job
+                job.set_exception(failure)
+                worker = None
+                continue
+            logger.debug("sparseconv: background compile done after %.1f s in the queue, %.1f s compiling",
+                         time.perf_counter() - queued - seconds, seconds)
+            if error is None:
+                job.set_result(None)
+            else:
+                job.set_exception(RuntimeError(error))
+
+
+MAX_WORKERS = 4
+"""Each worker's compiler loads its kernels, which holds a CUDA context (~0.5 GB on an H100)
+while it lives: 4 workers at most, gone IDLE_S after the last job."""
+IDLE_S = 5.0
+
+
+def _spawn_worker() -> subprocess.Popen:
+    """A compile worker with this process's environment and import path."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.Popen([sys.executable, "-m", "sparseconv.backends.compile_worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+
+
+@functools.cache
+def background() -> Background:
+    """The process's compile workers (none start until a first job is queued)."""
+    return Background()
+
+
+def on_gpu_eagerly(a: torch.Tensor) -> bool:
+    """Whether ``a`` is a real CUDA tensor outside any trace or CUDA-graph capture."""
+    return (a.is_cuda and not torch.compiler.is_compiling() and not isinstance(a, torch._subclasses.FakeTensor)
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def in_background(a: torch.Tensor, deterministic: bool) -> bool:
+    """Whether kernels for work on ``a`` compile in worker processes while something compiled runs: on a GPU,
+    unless deterministic (which kernel runs would depend on compile times), tracing or capturing a CUDA graph
+    (what runs meanwhile would be recorded), or switched off (``SPARSECONV_BACKGROUND_COMPILE=0``)."""
+    return on_gpu_eagerly(a) and not deterministic and config.background_compile()
+
+
+def kernel_ready(tensor: torch.Tensor, key: Hashable, hook: Callable, args: tuple) -> bool:
+    """Whether a view kernel (``key``) may launch on ``tensor`` now: where kernels compile in the background
+    (:func:`in_background`), one not compiled yet compiles in the workers (``hook(*args)``, queued by the first
+    call) while torch's ops build the view (a cold process's first batch); elsewhere it compiles in the call."""
+    if not in_background(tensor, config.deterministic()):
+        return True
+    return background().ready(("view", key), hook, args, ("view", key))
