@@ -36,7 +36,7 @@ SECTIONS = [
     ("sparseconv.data", None, "Synthetic labelled scenes and voxelisation."),
     ("sparseconv.metrics", ["confusion_matrix", "iou_per_class"], "Segmentation metrics."),
     ("sparseconv.viz", ["save_bev_comparison"], "Pictures (needs matplotlib)."),
-    ("sparseconv.demo", ["run_demo", "format_report"], "The demo behind `python -m sparseconv demo`."),
+    ("sparseconv.cli.demo", ["run_demo", "format_report"], "The demo behind `python -m sparseconv demo`."),
 ]
 
 

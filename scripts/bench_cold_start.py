@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 OURS = {"ours": {}, "ours_blocking": {"SPARSECONV_BACKGROUND_COMPILE": "0"},
         "ours_full": {"SPARSECONV_AUTOTUNE_EFFORT": "full", "SPARSECONV_BACKGROUND_COMPILE": "0",
                       "SPARSECONV_SHIPPED_TUNINGS": "0"}}
@@ -50,9 +49,7 @@ def child(args) -> None:
     """One configuration in this (fresh) process: print the step times as one JSON line."""
     import torch
 
-    sys.path.insert(0, HERE)
-    from bench_layers import scene_coords
-    from bench_network import Runner, gpu_ms, sync
+    from sparseconv.cli.bench import Runner, gpu_ms, scene_coords, sync
 
     device = torch.device(args.device)
     name = "ours" if args.config in OURS else args.config

@@ -17,21 +17,19 @@ from collections.abc import Callable
 
 import torch
 
-from anchors import anchor_tensor, import_anchor
-
 import sparseconv.tune
-from sparseconv import SparseTensor
-from sparseconv.coords import KernelMapKey
-from sparseconv.coords.hashing import pack_coords
-from sparseconv.coords.kernel_map import offset_deltas
+from sparseconv import SparseTensor, sparse_conv3d
+from sparseconv.cli.bench import anchor_tensor, import_anchor, median_ms, timed
 from sparseconv.data import make_scene
-from sparseconv.ops import sparse_conv3d
-from sparseconv.tune.timing import Timer, TimingPlan
+# Internal on purpose: our map build is timed through SparseTensor.cache.kernel_map (keyed by a KernelMapKey),
+# and the naive torch map searches our packed coordinate keys (pack_coords) at our kernel offsets.
+from sparseconv.coords import KernelMapKey, offset_deltas
+from sparseconv.coords.keys import pack_coords
 
 
-def bench(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn`` with the tuner's timer: CUDA events on GPU, perf_counter on CPU."""
-    return Timer(device, TimingPlan(warmup=warmup, repeats=repeats, flush_l2=False)).median(fn)[0]
+def bench(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``fn`` (the shared timer, :func:`sparseconv.cli.bench.median_ms`), two warm-up calls."""
+    return median_ms(fn, device, repeats, warmup=2)
 
 
 # --- naive torch ---------------------------------------------------------------------------
@@ -136,8 +134,6 @@ def stage_rows(device: torch.device, scenes: list[str], channels: int, repeats: 
     """Where a new map's host time goes: each step of a fresh subm3 map (cumulative, as a pass
     builds it), a fresh conv and the same conv with its map kept; host ms until the call returns
     and wall ms after a sync (the tuner's choice is made before timing)."""
-    from bench_network import timed  # the whole-network script's timer (host ms, and wall ms after a sync)
-
     rows = []
     for scene in scenes:
         coords, _ = make_scene(scene, batch_size=2)

@@ -24,22 +24,18 @@ import time
 
 import torch
 
-from anchors import anchor_tensor, import_anchor
-
 import sparseconv.tune
-from sparseconv import SparseTensor
+from sparseconv import SparseTensor, sparse_conv3d
+from sparseconv.cli import bench
+from sparseconv.cli.bench import SCENES, anchor_tensor, import_anchor, scene_coords
+from sparseconv.ops import NAMESPACES
+# Internal on purpose: a cell also times each product alone (dispatch of one layer_problem), and the
+# kernel-map rows build a tensor's map through SparseTensor.cache.kernel_map, which takes a KernelMapKey.
+from sparseconv.backends.problem import layer_problem
 from sparseconv.coords import KernelMapKey
-from sparseconv.data import make_scene
-from sparseconv.ops import sparse_conv3d
-from sparseconv.ops.problem import layer_problem
 from sparseconv.ops.dispatch import dispatch
-from sparseconv.ops.problem import NAMESPACES
-from sparseconv.tune.timing import Timer, TimingPlan
 
 DEVICE = torch.device("cuda")
-# (kind, voxel size m, batch, scale): streets sampled twice as densely as the default sweep, so
-# that one street at 5 cm holds ~92k voxels and four ~370k (the grid spans 90k-700k voxels).
-SCENES = {"street1": ("street", 0.05, 1, 2.0), "street4": ("street", 0.05, 4, 2.0), "room2": ("room", 0.02, 2, 1.0)}
 # Each family's own tuned best, pinned per namespace, beside the overall tuned choice.
 FAMILIES = {
     "triton": {"fwd_algo": ["mask_implicit_gemm", "implicit_gemm"], "dgrad_algo": ["mask_implicit_gemm", "implicit_gemm"],
@@ -51,20 +47,13 @@ FAMILIES = {
 LAYERS = {"subm3": (3, 1, False), "down2": (2, 2, False), "up2": (2, 2, True)}
 
 
-def scene_coords(name: str, scale: float = 1.0) -> torch.Tensor:
-    """(N, 4) int32 coords of the benchmark scene ``name`` (SCENES), its size times ``scale``."""
-    kind, voxel, batch, base = SCENES[name]
-    return make_scene(kind, voxel_size=voxel, batch_size=batch, scale=base * scale)[0]
-
-
 CALLS_PER_SAMPLE = 1  # --calls
 
 
 def median_ms(fn, repeats: int, warmup: int = 3, calls: int | None = None) -> float:
     """Median milliseconds of ``fn`` with the tuner's timer (CUDA events; perf_counter for --device cpu dry runs),
     a sample being the mean of ``calls`` (default CALLS_PER_SAMPLE) back-to-back calls."""
-    plan = TimingPlan(warmup=warmup, repeats=repeats, flush_l2=False, calls=calls or CALLS_PER_SAMPLE)
-    return Timer(DEVICE, plan).median(fn)[0]
+    return bench.median_ms(fn, DEVICE, repeats, warmup, calls or CALLS_PER_SAMPLE)
 
 
 def ceilings() -> tuple[float, float, float]:

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 import sparseconv
-from bench_layers import scene_coords
-from bench_network import Runner, subm_maps, sync
-from sparseconv.coords import KernelMapKey
+from sparseconv.cli.bench import Runner, scene_coords, subm_maps, sync
 from sparseconv.nn import SparseConv3d
+# Internal on purpose: the first-call trial builds the subm3 map before the layer's first call, through
+# SparseTensor.cache.kernel_map, which takes a KernelMapKey.
+from sparseconv.coords import KernelMapKey
 
 
 def split_step(runner: Runner, device: torch.device, repeats: int) -> dict[bool, list[float]]:
