@@ -248,7 +248,7 @@ four are 16 channels wide each way, for layers of at most 16 (:data:`NARROW_TABL
 
 WIDE_TABLE_TILES, NARROW_TABLE_TILES = range(5), range(5, 9)
 """The table tiles a lone map's pool times: the 16-wide ones where no channel count exceeds 16, else the others.
-A 16 -> 16 channel lone submanifold product (H200, every table tile, scripts/sweep_mask_tiles.py, 2026-11-27): 55 / 74 /
+A 16 -> 16 channel lone submanifold product (H200, every table tile, a sweep of every tile against the auto pool, 2026-11-27; the script is in git history before 57d07f1): 55 / 74 /
 143 µs against 112 / 137 / 326 for the best 32-wide tile in fp32, 38 / 51 / 81 against 59 / 75 / 131 in fp16
 (street1 / room2 / street4); at 32 channels the 16-wide tiles lose (72-83 µs against 60-69 at room2 and street1)."""
 
@@ -278,7 +278,7 @@ POOL_TILES = {
     # about 1.3-1.5x faster in fp16 and 2-4x in fp32 at 16 -> 16 channels, forward and dgrad; beside the
     # 64-level tiles at 32 channels on the other side (4 -> 32 and 16 -> 32: 1.03-1.25x forward; dgrad,
     # whose reduction is the 32, is close either way). H200, street1 and room2, 2026-11-27
-    # (scripts/sweep_mask_tiles.py; room2's 4 -> 32 dgrad: 65.5 µs in 2 groups of 64x16x16 against 79.4).
+    # (that tile sweep, 2026-11-27; room2's 4 -> 32 dgrad: 65.5 µs in 2 groups of 64x16x16 against 79.4).
     16: ([17, 18, 19, 20], [17, 20], [17]),
     32: ([7, 16, 4, 0, 1, 21, 17], [7, 0, 21, 17], [7]),
 }

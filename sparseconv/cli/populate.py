@@ -19,11 +19,9 @@ from pathlib import Path
 import torch
 
 from ..tune import shipped
+from .bench import SCENES
 from ..tune.key import device_identity
 
-# Named as in scripts/bench_layers.py: (kind, voxel size in m, scenes per batch, make_scene scale);
-# street1 is one LiDAR sweep at 5 cm (~90k voxels), street4 four, room2 two rooms at 2 cm.
-SCENES = {"street1": ("street", 0.05, 1, 2.0), "street4": ("street", 0.05, 4, 2.0), "room2": ("room", 0.02, 2, 1.0)}
 MODELS = ("minkunet",)
 DTYPES = ("float32", "float16", "bfloat16")
 IN_CHANNELS = 4

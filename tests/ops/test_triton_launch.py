@@ -2,6 +2,8 @@
 Triton compiled for them, and through Triton's runner while a launch hook is installed (checked
 with a stand-in kernel: no GPU, no compiler; a real hook on the GPU)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -287,7 +289,7 @@ def test_the_view_gate_compiles_in_the_background_where_products_do(monkeypatch,
             asked.append(args)
             return False
 
-    monkeypatch.setattr(compiling, "background", Workers)
+    monkeypatch.setattr(compiling, "background", functools.cache(Workers))  # as the real one, made once
     x = torch.zeros(4)
     assert view_gate(x, "k", tk.warm_kernel, ()) and not asked, "a CPU tensor"
     monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)  # as a CUDA tensor would be
