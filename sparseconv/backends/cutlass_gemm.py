@@ -36,11 +36,9 @@ from ..coords.kernel_map import KernelMap
 from .problem import ConvProblem
 from . import cuda_jit, cuda_launch
 from .mask_views import one_pair_per_row, product_table, sorted_rows, tile_offsets
-from .registry import Backend, always_deterministic, inner_autotune, register
+from .registry import INNER_PREFIX, Backend, always_deterministic, inner_autotune, register
 
-INNER = "sparseconv.ops.backends.cutlass_gemm."
-"""The inner configurations' cache names begin so (the module's path until 2026-11-28): what the shipped
-tunings and users' caches know them by, kept when the module moved (a renamed namespace is retuned)."""
+INNER = INNER_PREFIX + "cutlass_gemm."
 
 SOURCE = "sparse_gemm.cu"
 ELEMENT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}

@@ -29,11 +29,9 @@ from ..coords.kernel_map import KernelMap
 from .problem import ConvProblem
 from . import cuda_jit, cutlass_gemm
 from .mask_views import active_lists, offset_groups
-from .registry import Backend, always_deterministic, inner_autotune, register
+from .registry import INNER_PREFIX, Backend, always_deterministic, inner_autotune, register
 
-INNER = "sparseconv.ops.backends.cutlass_sm90."
-"""The inner configurations' cache names begin so (the module's path until 2026-11-28): what the shipped
-tunings and users' caches know them by, kept when the module moved (a renamed namespace is retuned)."""
+INNER = INNER_PREFIX + "cutlass_sm90."
 
 SOURCE = "rows_sm90.cu"
 ARCH = "sm_90a"

@@ -248,8 +248,8 @@ four are 16 channels wide each way, for layers of at most 16 (:data:`NARROW_TABL
 
 WIDE_TABLE_TILES, NARROW_TABLE_TILES = range(5), range(5, 9)
 """The table tiles a lone map's pool times: the 16-wide ones where no channel count exceeds 16, else the others.
-A 16 -> 16 channel lone submanifold product (H200, every table tile, a sweep of every tile against the auto pool, 2026-11-27; the script is in git history before 57d07f1): 55 / 74 /
-143 µs against 112 / 137 / 326 for the best 32-wide tile in fp32, 38 / 51 / 81 against 59 / 75 / 131 in fp16
+A 16 -> 16 channel lone submanifold product (H200, every table tile, 2026-11-27; the sweep's script is in git
+history before 57d07f1): 55 / 74 / 143 µs against 112 / 137 / 326 for the best 32-wide tile in fp32, 38 / 51 / 81 against 59 / 75 / 131 in fp16
 (street1 / room2 / street4); at 32 channels the 16-wide tiles lose (72-83 µs against 60-69 at room2 and street1)."""
 
 

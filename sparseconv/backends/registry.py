@@ -127,6 +127,10 @@ InnerTuner = Callable[..., Callable[[Callable], Callable]]
 
 _inner_tuner: InnerTuner | None = None
 
+INNER_PREFIX = "sparseconv.ops.backends."
+"""What the inner configurations' cache names begin with (the backends' package until 2026-11-28): the names the
+shipped tunings and users' caches know them by, kept when the package moved (a renamed namespace is retuned)."""
+
 
 def set_inner_tuner(tuner: InnerTuner | None) -> InnerTuner | None:
     """Hand down the decorator that tunes a backend's inner configurations; returns the previous one.
@@ -154,7 +158,8 @@ def inner_autotune(configs: Sequence, key: Sequence[str], name: str) -> Callable
             nonlocal tuned
             if tuned is None:
                 if _inner_tuner is None:
-                    raise RuntimeError(f"{fn.__qualname__}: no inner tuner registered (sparseconv.tune.get_tuner() sets it)")
+                    raise RuntimeError(
+                        f"{fn.__qualname__}: no inner tuner registered (sparseconv.tune.get_tuner() sets it)")
                 tuned = _inner_tuner(configs, key, name=name)(fn)
             return tuned(*args, **kwargs)
 

@@ -53,7 +53,7 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     kernels are not compiled yet runs the reference while they compile in worker processes, and a
     map's views whose kernels are not compiled yet are built by torch's ops meanwhile
     (``SPARSECONV_BACKGROUND_COMPILE=0`` compiles them in the call instead)."""
-    return _compiling.background().wait(timeout)
+    return get_tuner().wait_for_compiles(timeout)
 
 
 def run(
