@@ -25,6 +25,7 @@ from sparseconv.data import make_scene
 # and the naive torch map searches our packed coordinate keys (pack_coords) at our kernel offsets.
 from sparseconv.coords import KernelMapKey, offset_deltas
 from sparseconv.coords.keys import pack_coords
+from sparseconv.ops.batch import kernel_map as map_request
 
 
 def bench(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -83,7 +84,7 @@ def run(device: torch.device, scenes: list[str], channels: int, repeats: int, dt
 
         def our_map():
             x = fresh()
-            x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0].pairs
+            map_request(x.cache, KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0].pairs
 
         x = fresh()
         neighbors = naive_neighbors(coords, coords, 3, 1)
@@ -145,7 +146,7 @@ def stage_rows(device: torch.device, scenes: list[str], channels: int, repeats: 
             return SparseTensor(coords, feats, validate=validate)
 
         def subm(x: SparseTensor):
-            return x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0]
+            return map_request(x.cache, KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))[0]
 
         kept = fresh(True)
         sparse_conv3d(kept, weight)  # tunes, compiles

@@ -34,6 +34,7 @@ from sparseconv.ops import NAMESPACES
 from sparseconv.backends.problem import layer_problem
 from sparseconv.coords import KernelMapKey
 from sparseconv.ops.dispatch import dispatch
+from sparseconv.ops.batch import kernel_map as map_request
 
 DEVICE = torch.device("cuda")
 # Each family's own tuned best, pinned per namespace, beside the overall tuned choice.
@@ -118,7 +119,7 @@ def run_cell(scene_tensor: SparseTensor, layer: str, c: int, dtype, repeats: int
     args = dict(kernel_size=kernel, stride=stride, transposed=transposed)
     record: dict[str, str] = {}
     settled(lambda: sparse_conv3d(x.replace(leaf_feats), leaf_weight, record=record, **args).feats.sum().backward())
-    kernel_map = x.cache.kernel_map(_map_key(x, kernel, stride, transposed))[0]
+    kernel_map = map_request(x.cache, _map_key(x, kernel, stride, transposed))[0]
     result = {
         "N": f"{kernel_map.num_in}->{kernel_map.num_out}",
         "pairs": kernel_map.num_pairs,
@@ -178,7 +179,7 @@ def _map_key(x: SparseTensor, kernel: int, stride: int, transposed: bool) -> Ker
 def map_build_ms(coords: torch.Tensor, repeats: int) -> float:
     def build():
         x = SparseTensor(coords, torch.zeros(len(coords), 1, device=coords.device), validate=False)
-        x.cache.kernel_map(_map_key(x, 3, 1, False))[0].pairs
+        map_request(x.cache, _map_key(x, 3, 1, False))[0].pairs
 
     return median_ms(build, repeats)
 

@@ -24,6 +24,7 @@ from sparseconv.nn import SparseConv3d
 # Internal on purpose: the first-call trial builds the subm3 map before the layer's first call, through
 # SparseTensor.cache.kernel_map, which takes a KernelMapKey.
 from sparseconv.coords import KernelMapKey
+from sparseconv.ops.batch import kernel_map as map_request
 
 
 def split_step(runner: Runner, device: torch.device, repeats: int) -> dict[bool, list[float]]:
@@ -65,7 +66,7 @@ def first_calls(coords: torch.Tensor, device: torch.device, channels: int, repea
 
     def trial(train: bool) -> tuple[float, ...]:
         x = sparseconv.SparseTensor(coords, feats.detach().requires_grad_(train))
-        x.cache.kernel_map(KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))
+        map_request(x.cache, KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False))
         sync(device)
         t0 = time.perf_counter()
         first = conv(x)

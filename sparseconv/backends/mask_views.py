@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import config
-from ..coords.kernel_map import KernelMap, set_pair_builder
+from ..coords.kernel_map import KernelMap
 from . import triton_kernels as tk
 from .triton_launch import launch, launch_ready, warm
 
@@ -159,8 +159,8 @@ def block_width(width: int) -> int:
 def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:attr:`KernelMap.pairs` of a map with its own (contiguous) table, by two Triton launches and
     a cumsum (torch's: a compaction and ~8 ops); None where the torch ops build them (no Triton, an
-    adjoint: its source's lists swapped, kernels not compiled yet: :func:`launch_ready`). Registered with
-    the maps on a GPU: every backend reading a map's pairs gets these there."""
+    adjoint: its source's lists swapped, kernels not compiled yet: :func:`launch_ready`). A batch's maps on a
+    GPU build their pairs so (:func:`pair_lists_on_gpu`): every backend reading a map's pairs gets these there."""
     table = kernel_map.neighbors
     if not (fused(table) and table.is_contiguous()):
         return None
@@ -194,13 +194,11 @@ def _pair_block(volume: int) -> int:
     return max(16, 4096 // block_width(volume))
 
 
-def _pair_lists_on_gpu(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The maps' pair builder: :func:`pair_lists` on a GPU. Not under the interpreter on the CPU,
-    which runs a program at a time (slower there than torch's ops; the tests call it directly)."""
+def pair_lists_on_gpu(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The maps' pair-list kernel (:attr:`~sparseconv.coords.kernel_map.MapKernels.pair_lists`): :func:`pair_lists`
+    on a GPU. Not under the interpreter on the CPU, which runs a program at a time (slower there than torch's
+    ops; the tests call it directly)."""
     return pair_lists(kernel_map) if kernel_map.neighbors.is_cuda else None
-
-
-set_pair_builder(_pair_lists_on_gpu)
 
 
 def one_pair_per_row(kernel_map: KernelMap, forward: bool) -> tuple[bool, bool]:

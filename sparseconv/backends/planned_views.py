@@ -1,10 +1,9 @@
 """The map plan's view builders: the views the last batches' layers used on each map, built for all of
-a new batch's maps at once (:func:`sparseconv.coords.prebuild.add_view_builder`) and offered to them
-(:meth:`KernelMap.offer`), equal to what :mod:`.mask_views` builds for one layer: the forward row
-orders with one mask launch and one sort (:func:`build_planned_orders`), the forward tile plans with
-one launch per tile height (:func:`build_planned_tile_plans`, after the orders it reads), and every
-map's pairs per offset in one launch (:func:`pair_counts`). Registered with the plan on import
-(``sparseconv/backends/__init__.py`` imports this module).
+a new batch's maps at once and offered to them (:meth:`KernelMap.offer`), equal to what :mod:`.mask_views`
+builds for one layer: the forward row orders with one mask launch and one sort (:func:`build_planned_orders`),
+the forward tile plans with one launch per tile height (:func:`build_planned_tile_plans`, after the orders it
+reads), and every map's pairs per offset in one launch (:func:`pair_counts`). Nothing is registered here:
+:data:`sparseconv.ops.batch.BUILDERS` names these as the batch's builders (:class:`sparseconv.coords.batch.Builders`).
 """
 
 from __future__ import annotations
@@ -13,8 +12,7 @@ import itertools
 
 import torch
 
-from ..coords import prebuild
-from ..coords.kernel_map import KernelMap, set_pair_counter
+from ..coords.kernel_map import KernelMap
 from . import triton_kernels as tk
 from .mask_views import (
     MASK_ROWS, PLAN_VIEW, PLANNED_SHIFT, ROWS_VIEW, _pair_block, _plan_layout, _plan_views, _rows_key, block_width,
@@ -24,7 +22,7 @@ from .triton_launch import launch, launch_ready
 
 
 def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
-    """The plan's view builder (:func:`sparseconv.coords.prebuild.add_view_builder`): the forward row
+    """The plan's view builder (:attr:`sparseconv.coords.batch.Builders.views`): the forward row
     orders (``mask_rows`` views) the last batches' layers used on each new map, built by ONE mask
     launch and ONE sort for all (int64 keys, the order's index above its mask bits), where each
     layer would have sorted on its own (~14 launches and ~85 µs of host time a sort on an H100
@@ -66,8 +64,6 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
     for (kernel_map, key), base in zip(parts, bases):
         kernel_map.offer(key, order[base: base + kernel_map.neighbors.shape[0]])
 
-
-prebuild.add_view_builder(build_planned_orders, (ROWS_VIEW,))
 
 
 def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
@@ -122,8 +118,6 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
         launch(kernels.tile_plans, (first,), meta_tensor, len(group), BLOCK_M=block_m,
                WIDTH=block_width(max(width for *_, width in group)))
 
-
-prebuild.add_view_builder(build_planned_tile_plans, (PLAN_VIEW,))  # after build_planned_orders: it reads their orders
 
 
 class _PlannedViews(tuple):
@@ -185,7 +179,7 @@ class _PlanBuffer:
 
 
 def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
-    """The map plan's pair counts (:func:`sparseconv.coords.kernel_map.set_pair_counter`): every map's
+    """The map plan's pair counts (:attr:`sparseconv.coords.kernel_map.MapKernels.pair_counts`): every map's
     pairs per offset in one launch on a GPU (tables by address; one map's by its arguments), where
     torch took two ops a map and a concatenation (~27 a street1 pass; one map's sum alone ~60 µs of
     host time, H200), and each map's start in them (16-byte aligned: the
@@ -217,10 +211,12 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
     return out, starts[:-1]
 
 
-def _pair_counts_on_gpu(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
+def pair_counts_on_gpu(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
     """The maps' pair counter (a plan's maps; a lone map's :attr:`~KernelMap.offset_counts`): :func:`pair_counts`
     on a GPU (on the CPU the interpreter would run a program at a time; the tests call it directly)."""
     return pair_counts(maps) if maps and maps[0].neighbors.is_cuda else None
 
 
-set_pair_counter(_pair_counts_on_gpu)
+VIEW_KINDS = frozenset({ROWS_VIEW, PLAN_VIEW})
+"""The first items of the keys of the views these builders make (:attr:`sparseconv.coords.batch.Builders.view_kinds`):
+what the map plan records of the views a batch's layers used."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import plan
+from .batch import Batch, Builders
 from .hashing import CoordHashTable, floor_sets, generate_set
 from .keys import COORD_MAX, COORD_MIN, floor_masks, floors_by_mask, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
@@ -33,7 +34,8 @@ class CoordSet:
 
 
 class CoordinateCache:
-    """Coordinate sets, hash tables and kernel maps of one batch on one device."""
+    """Coordinate sets, hash tables and kernel maps of one batch on one device, and the batch's shared state
+    beside them (:attr:`batch`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -42,8 +44,7 @@ class CoordinateCache:
         self._tables: dict[int, CoordHashTable] = {}
         self._keys: dict[int, torch.Tensor] = {}
         self._maps: dict[KernelMapKey, tuple[KernelMap, int]] = {}
-        self._record: plan.Record | None = None
-        self._planned: dict[KernelMapKey, tuple[KernelMap, int]] = {}  # built ahead, not asked for yet
+        self.batch = Batch()
         self._dropped: set[int] = set()  # sets whose hash tables went once the plan's maps were built
         self._moved: weakref.WeakValueDictionary[str, CoordinateCache] = weakref.WeakValueDictionary()
         self._checks: Callable[[], int] | None = None
@@ -122,26 +123,31 @@ class CoordinateCache:
         if table is None:
             table = self._tables[set_id] = CoordHashTable.build(self._sets[set_id].coords, self.keys(set_id))
             if set_id in self._dropped:  # a query the plan did not make: the next batches keep this one
-                self._record.keep_tables.add(self._sets[set_id].stride)
+                self.batch.record.keep_tables.add(self._sets[set_id].stride)
         return table
 
-    def kernel_map(self, key: KernelMapKey) -> tuple[KernelMap, int]:
-        """The kernel map for ``key`` and the id of its output coordinate set (built once, then reused)."""
+    def kernel_map(self, key: KernelMapKey, builders: Builders | None = None) -> tuple[KernelMap, int]:
+        """The kernel map for ``key`` and the id of its output coordinate set (built once, then reused).
+        ``builders``: what the batch's maps are built with beyond coords' own kernels (taken at the batch's
+        first request: :data:`sparseconv.ops.batch.BUILDERS` is the library's); none, torch's ops alone."""
         hit = self._maps.get(key)
         if hit is None:
-            hit = self._maps[key] = self._first_request(key)
+            hit = self._maps[key] = self._first_request(key, builders)
         return hit
 
-    def _first_request(self, key: KernelMapKey) -> tuple[KernelMap, int]:
-        if self._record is None:  # the batch's first map: the maps earlier batches asked for are built now
-            self._record, self._planned = plan.begin(self)
-            if self._planned:
+    def _first_request(self, key: KernelMapKey, builders: Builders | None) -> tuple[KernelMap, int]:
+        batch = self.batch
+        if batch.record is None:  # the batch's first map: the maps earlier batches asked for are built now
+            if builders is not None:
+                batch.builders = builders
+            batch.record, batch.planned = plan.begin(self)
+            if batch.planned:
                 self._drop_tables()
-        hit = self._planned.pop(key, None)
+        hit = batch.planned.pop(key, None)
         if hit is None:
             hit = self.build(key)
         self.settle()  # a map of bad coordinates is never returned
-        self._record.note(self, key, hit[0])
+        batch.record.note(self, key, hit[0], batch.use(hit[0]))
         return hit
 
     def _drop_tables(self) -> None:
@@ -149,7 +155,7 @@ class CoordinateCache:
         ~26 MiB, held through the forward pass's memory peak otherwise), but those of strides whose
         tables the last batches queried again after their plan (a map the plan does not make: a
         generative conv's, a pool's of another size); :meth:`table` builds a dropped one again."""
-        keep = self._record.keep_tables
+        keep = self.batch.record.keep_tables
         for set_id in list(self._tables):
             if self._sets[set_id].stride not in keep:
                 table = self._tables.pop(set_id)
@@ -217,6 +223,7 @@ class CoordinateCache:
         (N_out, K) int32) onto the set ``out_id``, with what its geometry tells about it."""
         identity = center_offset(key.kernel_size) if out_id == key.source else None
         kernel_map = KernelMap(neighbors, self._sets[key.source].coords.shape[0], key.kernel_size, identity)
+        kernel_map.kernels = self.batch.builders.kernels
         # A kernel equal to its stride (undilated) whose window starts at the output cell's corner
         # (sizes 1 and 2: larger sizes centre it, see kernel_map) tiles the grid: each input lies in
         # the window of its own floored cell, which the output set holds. Knowing it lets backends

@@ -85,9 +85,6 @@ class KernelMap:
         self.kernel_volume = math.prod(kernel_size)
         self.identity_offset = identity_offset
         self._derived: dict[Hashable, object] = {}
-        self.calls: dict[Hashable, object] = {}
-        """The runner's memo of this map's products (the tuner keeps each one's settled choice and
-        prepared call here: a layer's later calls on the map go straight to its kernels)."""
         self.transpose_of: KernelMap | None = None
         """The map this one is the adjoint of (see :meth:`transposed`), or None if it was queried."""
         self.each_input_once = False
@@ -134,7 +131,7 @@ class KernelMap:
         """(K,) int64 pairs per offset, on the map's device (no host sync)."""
         if self.transpose_of is not None:
             return self.transpose_of.offset_counts
-        return count_pairs([self])[0]
+        return count_pairs([self], None if self.kernels is None else self.kernels.pair_counts)[0]
 
     @functools.cached_property
     def pair_counts(self) -> list[int]:
@@ -164,7 +161,7 @@ class KernelMap:
         if self.transpose_of is not None:
             in_idx, out_idx, offset_ptr = self.transpose_of.pairs
             return out_idx, in_idx, offset_ptr
-        built = None if _pair_builder is None else _pair_builder(self)
+        built = None if self.kernels is None else self.kernels.pair_lists(self)
         if built is not None:
             return built
         present = self.neighbors.t() >= 0
@@ -197,19 +194,18 @@ class KernelMap:
         in_idx, out_idx, _ = self.pairs
         return list(zip(in_idx.split(self.pair_counts), out_idx.split(self.pair_counts)))
 
+    kernels: MapKernels | None = None
+    """The device kernels that build this map's :attr:`pairs` and :attr:`offset_counts` where they can
+    (torch's ops otherwise): the floor above passes them with each map request
+    (:func:`sparseconv.ops.batch.kernel_map`), and the coordinate cache gives them to the maps it builds."""
     on_view: Callable[[Hashable], None] | None = None
-    """Told the key of each view this map's layers use (the first time): the map plan keeps them
-    for the next batch's maps (:mod:`.plan`)."""
-    on_call: Callable[[Hashable], None] | None = None
-    """Told a recipe of each product the runner prepared on this map at a layer's first call (opaque here):
-    the map plan keeps them, and has the runner prepare them on the next batch's map ahead (:mod:`.plan`)."""
-    plan_spec: Hashable | None = None
-    """What the map plan knows this map by (its adjoint's views are kept under it too)."""
+    """Told the key of each view this map's layers use (the first time): the map plan's record of the batch
+    keeps them for the next batch's maps (set by :meth:`.plan.Record.note`)."""
 
     def derived(self, key: Hashable, build: Callable[[KernelMap], V], product: bool = False) -> V:
         """A backend's own view of this map (e.g. padded groups), built on first use and kept with the
         map; a view :meth:`offer` holds is taken instead of building it. ``product``: a prepared
-        product, which may hold releasable views (:meth:`release` drops it with them)."""
+        product, which may hold releasable views (:meth:`release_views` drops it with them)."""
         view = self._derived.get(key, _NONE)  # one lookup on the hot path (a step makes ~300)
         if view is _NONE:
             offered = self.__dict__.get("_offered")
@@ -225,17 +221,18 @@ class KernelMap:
         """Hold ``view``, built ahead (several maps' views in one pass), for :meth:`derived` to take
         when a layer asks for ``key``; one never asked for is not reported to :attr:`on_view`.
         ``releasable``: ``view.release()`` frees its memory after the map's last forward product of a
-        training pass (:meth:`forward_done`); whoever reads it then calls ``view.restore()`` first."""
+        training pass (:meth:`release_views`); whoever reads it then calls ``view.restore()`` first."""
         self.__dict__.setdefault("_offered", {})[key] = view
         if releasable:
             self.__dict__.setdefault("_releasable", []).append(key)
 
+    # Hints: what an earlier batch's map under this map's key tells about this one before it is counted. Facts the
+    # map plan knows (set once, when a layer first asks for the map), read where the map is (backends' views, the
+    # tuner's key); the batch's bookkeeping is not here (:class:`sparseconv.coords.batch.MapUse`).
     lone = False
     """This map serves one product a batch, built alone: the last two batches asked for this map and no other,
     and made one product on it (a lone layer's inference). Set by the map plan (:mod:`.plan`); the tuner
     then times candidates with the views they build (:meth:`unviewed`), which no other product shares."""
-    uses: list[int] | None = None
-    """The map plan's count of the products made on this map (a cell its record keeps, see :attr:`lone`)."""
     fill_hint: tuple[int, int] | None = None
     """(pairs, table slots) of the last batch's map under this map's key, for a map built when a layer asked
     for it (not ahead), read without a wait: the tuner's key takes how full this map is from it rather than
@@ -265,39 +262,21 @@ class KernelMap:
         copy._describe(self.num_in, self.num_out, self.kernel_size, self.identity_offset)
         copy.each_input_once, copy.each_output_once = self.each_input_once, self.each_output_once
         copy.lone, copy.fill_hint, copy.count_hint = self.lone, self.fill_hint, self.count_hint
+        copy.kernels = self.kernels
         for name in ("offset_counts", "pair_counts", "num_pairs"):
             if name in self.__dict__:
                 copy.__dict__[name] = self.__dict__[name]
         return copy
 
-    forward_count: list[int] | None = None
-    """The map plan's count of the forward products a training pass makes on this map (a cell the
-    plan's record keeps: the next batch's map expects as many, see :attr:`forward_left`)."""
-    forward_left = 0
-    """Forward products still expected on this map in this training pass (0: none known)."""
-
-    def forward_done(self) -> None:
-        """Count a forward product of a training pass on this map; after the last one the last
-        batches made, release the releasable views (:meth:`offer`) and drop the prepared products
-        that hold them: what only backward reads again need not wait in memory through the rest of
-        the forward pass, where the activations peak. A later product restores them (a network that
-        changed between batches costs time, never a wrong result)."""
-        count = self.forward_count
-        if count is not None:
-            count[0] += 1
-        left = self.forward_left
-        if left > 0:
-            self.forward_left = left - 1
-            if left == 1:
-                self.release()
-
-    def release(self) -> None:
-        """Release the releasable views' memory, and drop the products prepared on this map and on its
-        adjoint (a dgrad's product on one walks the other's views), which may hold them: the next
-        product is prepared again, through the views' readers, which restore them."""
+    def release_views(self) -> list[KernelMap]:
+        """Release the releasable views' memory (:meth:`offer`), and drop the products prepared on this map
+        and on its adjoint (a dgrad's product on one walks the other's views), which may hold them: the next
+        product is prepared again, through the views' readers, which restore them. Returns the maps whose
+        products went (none if nothing was releasable): their batch drops its prepared calls on them too
+        (:meth:`sparseconv.coords.batch.MapUse.release`)."""
         keys = self.__dict__.pop("_releasable", ())
         if not keys:
-            return
+            return []
         offered = self.__dict__.get("_offered") or {}
         for key in keys:
             view = self._derived.get(key, offered.get(key))
@@ -305,11 +284,11 @@ class KernelMap:
             if release is not None:
                 release()
         ref = self.__dict__.get("_adjoint")
-        for kernel_map in (self, self.transpose_of if ref is None else ref()):
-            if kernel_map is not None:
-                for key in kernel_map.__dict__.pop("_products", ()):
-                    kernel_map._derived.pop(key, None)
-                kernel_map.calls.clear()
+        maps = [m for m in (self, self.transpose_of if ref is None else ref()) if m is not None]
+        for kernel_map in maps:
+            for key in kernel_map.__dict__.pop("_products", ()):
+                kernel_map._derived.pop(key, None)
+        return maps
 
     def __repr__(self) -> str:
         return (
@@ -455,6 +434,7 @@ class _AdjointMap(KernelMap):
         self._describe(source.num_out, source.num_in, source.kernel_size, source.identity_offset)
         self.__dict__["transposed_neighbors"] = source.neighbors
         self.transpose_of = source
+        self.kernels = source.kernels
         self.each_input_once, self.each_output_once = source.each_output_once, source.each_input_once
 
     @functools.cached_property
@@ -464,36 +444,29 @@ class _AdjointMap(KernelMap):
         return table
 
 
-_pair_builder: Callable[[KernelMap], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None = None
-
-
-def set_pair_builder(builder: Callable[[KernelMap], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None
-                     ) -> None:
-    """Have ``builder(map)`` build :attr:`KernelMap.pairs` (the same lists, in the same order) where
-    it can, returning None where it cannot (the torch ops then do). The backends register their
-    kernels' builder here (coords imports no backend)."""
-    global _pair_builder
-    _pair_builder = builder
-
+PairLists = Callable[[KernelMap], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+"""pair_lists(map): :attr:`KernelMap.pairs` (the same lists, in the same order), or None where it cannot."""
 
 PairCounter = Callable[[list[KernelMap]], tuple[torch.Tensor, list[int]] | None]
 """counter(maps): every map's pairs per offset in one int64 tensor on their device and where each
 map's start in it; None where it cannot (the torch ops then do: two a map and a concatenation)."""
 
-_pair_counter: PairCounter | None = None
+
+class MapKernels(NamedTuple):
+    """Device kernels that build maps' pair lists and pair counts faster than torch's ops (each returns
+    None where it cannot, and torch's ops build them). They belong to the floor above (Triton kernels of
+    :mod:`sparseconv.backends`): :mod:`sparseconv.ops.batch` names the library's, and passes them with
+    each map request; nothing is registered here."""
+
+    pair_lists: PairLists
+    pair_counts: PairCounter
 
 
-def set_pair_counter(counter: PairCounter | None) -> None:
-    """Have ``counter`` count maps' pairs per offset (the backends register their kernel's: one launch
-    for a plan's maps, or a lone map's, where torch's comparison and sum took ~60 µs of host time)."""
-    global _pair_counter
-    _pair_counter = counter
-
-
-def count_pairs(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]]:
+def count_pairs(maps: list[KernelMap], counter: PairCounter | None = None) -> tuple[torch.Tensor, list[int]]:
     """(K_1 + ... ,) int64 pairs per offset of every map of ``maps`` (maps with their own tables), on
-    their device and without a host sync, and where each map's counts start in it."""
-    counted = None if _pair_counter is None else _pair_counter(maps)
+    their device and without a host sync, and where each map's counts start in it; by ``counter`` where
+    it can (:attr:`MapKernels.pair_counts`)."""
+    counted = None if counter is None else counter(maps)
     if counted is None:
         counts = [(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]
         counted = (counts[0] if len(counts) == 1 else torch.cat(counts),

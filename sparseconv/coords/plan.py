@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 from .. import config
 from . import prebuild
+from .batch import MapUse
 from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple
-from .prebuild import MapSpec, copy_pair_counts, view_kinds
+from .prebuild import MapSpec, copy_pair_counts
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +38,7 @@ _history: dict[tuple[str, Triple], collections.deque] = {}
 _failed: set[tuple[str, Triple]] = set()
 _trained: dict[tuple[str, Triple], dict[tuple[MapSpec, bool], int]] = {}
 """Per device and input stride, the forward products the latest training pass made on each map: what
-a new batch's maps expect (:attr:`KernelMap.forward_left`), kept past inference batches (a validation
+a new batch's maps expect (:attr:`~.batch.MapUse.forward_left`), kept past inference batches (a validation
 pass between training steps must not cost the next step its released plans, and its memory peak)."""
 _lock = threading.Lock()
 logger = logging.getLogger("sparseconv.coords")
@@ -50,18 +51,18 @@ class Record:
         self.specs: list[MapSpec] = []
         self.views: dict[MapSpec, dict[Hashable, None]] = {}
         """Per map, the keys of the views its layers used that a view builder makes (:attr:`KernelMap.on_view`,
-        :func:`add_view_builder`), in order."""
+        :attr:`~.batch.Builders.view_kinds`), in order."""
         self.adjoint_views: dict[MapSpec, dict[Hashable, None]] = {}
         """The same for the adjoint of the map (a transposed conv's, :meth:`KernelMap.transposed`)."""
         self.calls: dict[tuple[MapSpec, bool], dict[Hashable, None]] = {}
         """Per (map, its adjoint?), the recipes of the products its layers' first calls prepared
-        (:attr:`KernelMap.on_call`), in order."""
+        (:meth:`~.batch.MapUse.note_call`), in order."""
         self.forward_counts: dict[tuple[MapSpec, bool], list[int]] = {}
-        """Per (map, its adjoint?), the forward products of training passes on it (:attr:`KernelMap.forward_count`)."""
+        """Per (map, its adjoint?), the forward products of training passes on it (:attr:`~.batch.MapUse.forward_count`)."""
         self.expected: dict[tuple[MapSpec, bool], int] = {}
-        """What the latest training pass counted (:data:`_trained`): each new map's :attr:`KernelMap.forward_left`."""
+        """What the latest training pass counted (:data:`_trained`): each new map's :attr:`~.batch.MapUse.forward_left`."""
         self.uses: dict[MapSpec, list[int]] = {}
-        """Per map, the products made on it and on its adjoint (:attr:`KernelMap.uses`)."""
+        """Per map, the products made on it and on its adjoint (:attr:`~.batch.MapUse.uses`)."""
         self.lone: MapSpec | None = None
         """The map of a lone layer (:attr:`KernelMap.lone`): the one map each of the last two batches
         asked for, each making one product on it."""
@@ -77,26 +78,32 @@ class Record:
         with _lock:
             _history.setdefault(signature, collections.deque(maxlen=HISTORY)).append(self)
 
-    def note(self, cache: CoordinateCache, key: KernelMapKey, kernel_map: KernelMap) -> None:
+    def note(self, cache: CoordinateCache, key: KernelMapKey, kernel_map: KernelMap, use: MapUse) -> None:
+        """Record the batch's first request of ``key`` (its map ``kernel_map``, with its ``use`` in the batch):
+        its spec, and the cells that count its products and keep the views and products its layers use."""
         spec = spec_of(cache, key)
         if not (kernel_map.each_input_once or kernel_map.each_output_once or kernel_map.transpose_of is not None
                 or "offset_counts" in kernel_map.__dict__):  # (pairs known, an adjoint's, counted ahead)
             self._hint(key, kernel_map, spec is not None and spec == self.lone)
+        kinds = use.batch.builders.view_kinds
         if spec is not None and spec not in self.specs:
             self.specs.append(spec)
-            kernel_map.on_view = _recorder(self.views.setdefault(spec, {}))
-            kernel_map.on_call = self._calls_of(kernel_map, (spec, False)).setdefault
-            kernel_map.plan_spec = spec
-            kernel_map.uses = self.uses.setdefault(spec, [0])
+            kernel_map.on_view = _recorder(self.views.setdefault(spec, {}), kinds)
+            use.recipes = self._calls_of(use, (spec, False))
+            use.spec = spec
+            use.uses = self.uses.setdefault(spec, [0])
             kernel_map.lone = spec == self.lone
-            self._count(kernel_map, (spec, False))
+            self._count(use, (spec, False))
             _replay(kernel_map)
         source = kernel_map.transpose_of
-        if spec is None and source is not None and source.plan_spec in self.views:
-            kernel_map.uses = self.uses.setdefault(source.plan_spec, [0])  # its products are its source's
-            kernel_map.on_view = _recorder(self.adjoint_views.setdefault(source.plan_spec, {}))
-            kernel_map.on_call = self._calls_of(kernel_map, (source.plan_spec, True)).setdefault
-            self._count(kernel_map, (source.plan_spec, True))
+        source_use = None if spec is not None or source is None else use.batch.uses.get(id(source))
+        if source_use is not None and not source_use.adjoint and source_use.spec in self.views:
+            spec = source_use.spec
+            use.spec, use.adjoint = spec, True
+            use.uses = self.uses.setdefault(spec, [0])  # its products are its source's
+            kernel_map.on_view = _recorder(self.adjoint_views.setdefault(spec, {}), kinds)
+            use.recipes = self._calls_of(use, (spec, True))
+            self._count(use, (spec, True))
             _replay(kernel_map)
 
     def _hint(self, key: KernelMapKey, kernel_map: KernelMap, lone: bool) -> None:
@@ -121,10 +128,10 @@ class Record:
         slots = kernel_map.num_out * kernel_map.kernel_volume
         self.counts[key] = Counted(kernel_map.offset_counts, slots, 0, copy=copy)
 
-    def _calls_of(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> dict[Hashable, None]:
+    def _calls_of(self, use: MapUse, which: tuple[MapSpec, bool]) -> dict[Hashable, None]:
         """The recipes kept for ``which``: those prepared on this map ahead (its layers' first calls then
         find them prepared and record nothing), and those its layers prepare themselves."""
-        planned = kernel_map.__dict__.pop("planned_calls", None)
+        planned, use.planned = use.planned, None
         calls = self.calls.get(which)
         if calls is None:
             calls = self.calls[which] = {} if planned is None else planned.copy()  # a copy keeps the hashes
@@ -132,9 +139,9 @@ class Record:
             calls.update(planned)
         return calls
 
-    def _count(self, kernel_map: KernelMap, which: tuple[MapSpec, bool]) -> None:
-        kernel_map.forward_count = self.forward_counts.setdefault(which, [0])
-        kernel_map.forward_left = self.expected.get(which, 0)
+    def _count(self, use: MapUse, which: tuple[MapSpec, bool]) -> None:
+        use.forward_count = self.forward_counts.setdefault(which, [0])
+        use.forward_left = self.expected.get(which, 0)
 
 
 RECOUNT = 8
@@ -159,12 +166,11 @@ class Counted:
         return self.pairs, self.slots
 
 
-def _recorder(keys: dict[Hashable, None]) -> Callable[[Hashable], None]:
+def _recorder(keys: dict[Hashable, None], kinds: frozenset) -> Callable[[Hashable], None]:
     """A map's :attr:`KernelMap.on_view`: keeps in ``keys`` the views a builder makes (keys ``(kind, ...)``
-    of a kind in :data:`view_kinds`). A layer's other views (its problem, its tuner key, its prepared
+    of a kind in ``kinds``, :attr:`~.batch.Builders.view_kinds`). A layer's other views (its problem, its tuner key, its prepared
     products: ~8 a map, keys holding dataclasses) were kept too, and merging two batches' keys compared
     them field by field: ~0.5 ms of a new batch's plan (room2, H200)."""
-    kinds = view_kinds
 
     def on_view(key: Hashable) -> None:
         if type(key) is tuple and key and key[0] in kinds:

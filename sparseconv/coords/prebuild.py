@@ -5,7 +5,7 @@ input's floored keys, one sync for all their sizes), every neighbour table in on
 16 maps, of any kernel volumes, reading the input set's or the coarse sets' arrays), the sets generative
 convs make from those and the maps on them (one host read each for a set's size, as a layer's build), and
 the maps' pair counts in one more transfer; then the views and products the last batches' layers used,
-through the builders the backends and the tuner register (:func:`add_view_builder`, :func:`set_call_builder`).
+through the builders the batch was given (:class:`~.batch.Builders`: the backends' and the tuner's).
 The maps are those a lazy build makes, bit for bit (the same sets, in their cells' first-row order, and the
 same queries).
 """
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from .batch import Builders
 from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_sets, query_many
 from .keys import floor_masks, floors_by_mask
 from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple, count_pairs, offset_deltas
@@ -62,47 +63,14 @@ class MapSpec(NamedTuple):
         return (*(self.origin or (self.source_stride,)), (self.kernel_size, self.stride, self.dilation))
 
 
-ViewBuilder = Callable[[list[tuple[KernelMap, list[Hashable]]]], None]
-"""builder([(map, keys of the views its counterpart in the last batches used)]): builds those of
-the views it knows together and :meth:`KernelMap.offer` s them (registered by the backends,
-:func:`add_view_builder`; the plan knows a key by its kind alone)."""
-
-_view_builders: list[ViewBuilder] = []
-view_kinds: set[Hashable] = set()
-"""The first items of the view keys the builders make: the records keep those keys alone."""
-
-
-def add_view_builder(builder: ViewBuilder, kinds: tuple[Hashable, ...]) -> None:
-    """Have ``builder`` build the views of each planned batch's maps ahead (once per builder); ``kinds``:
-    the first items of the keys ``(kind, ...)`` of the views it may build (it is given no others)."""
-    if builder not in _view_builders:
-        _view_builders.append(builder)
-        view_kinds.update(kinds)
-
-
-CallBuilder = Callable[[list[tuple[KernelMap, list[Hashable]]]], None]
-"""builder([(map, recipes of the products its counterpart's layers prepared in the last batch)]): prepares
-them on the new maps ahead of the layers' first calls (registered by the runner, :func:`set_call_builder`)."""
-
-_call_builder: CallBuilder | None = None
-
-
-def set_call_builder(builder: CallBuilder | None) -> None:
-    """Have ``builder`` prepare each planned batch's products ahead (after the views are built). A layer's
-    first call on a new map otherwise keys, chooses and prepares its product itself, one layer at a time:
-    ~100 µs of host time more than its next call, where the same work for all of a batch's maps in one pass
-    costs a fraction (the host's caches stay warm through it)."""
-    global _call_builder
-    _call_builder = builder
-
-
 def build(cache: CoordinateCache, plan: list[MapSpec],
           views: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None,
           calls: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None
           ) -> dict[KernelMapKey, tuple[KernelMap, int]]:
     """Build the maps of ``plan`` that the input set reaches through power-of-two floors and generative
-    convs (:func:`_generated_maps`), through the view builders the ``views`` their counterparts (or their adjoints) used, and through the call builder
-    the products of ``calls``; returns the maps by key with their output set ids (the coarse sets are
+    convs (:func:`_generated_maps`), through the batch's view builders (``cache.batch.builders``) the
+    ``views`` their counterparts (or their adjoints) used, and through its call builder the products of
+    ``calls``; returns the maps by key with their output set ids (the coarse sets are
     registered in ``cache``; an adjoint with views under its transposed conv's key, which keeps it alive
     until asked for)."""
     base = cache.coord_set(0).stride
@@ -125,8 +93,10 @@ def build(cache: CoordinateCache, plan: list[MapSpec],
     copy_pair_counts([kernel_map for kernel_map, _ in built.values()])
     # Per planned map and its adjoint (made here where the last batches' layers used views of it): the views
     # to build and the products to prepare.
-    views = views if _view_builders else None
-    calls = calls if _call_builder is not None else None
+    batch = cache.batch
+    builders: Builders = batch.builders
+    views = views if builders.views else None
+    calls = calls if builders.prepare is not None else None
     wanted, prepared = [], []
     for spec in plan if views or calls else ():
         hit = built.get(keys.get(spec))
@@ -144,13 +114,14 @@ def build(cache: CoordinateCache, plan: list[MapSpec],
                 wanted.append((kernel_map, list(views[which])))
             recipes = calls.get(which) if calls else None
             if recipes:
-                kernel_map.__dict__["planned_calls"] = recipes  # the new record keeps them (Record.note)
-                prepared.append((kernel_map, list(recipes)))
+                use = batch.use(kernel_map)
+                use.planned = recipes  # the new record keeps them (Record.note)
+                prepared.append((kernel_map, use, list(recipes)))
     if views:
-        for builder in _view_builders:
+        for builder in builders.views:
             builder(wanted)
     if calls:
-        _call_builder(prepared)
+        builders.prepare(prepared)
     return built
 
 
@@ -300,7 +271,8 @@ def copy_pair_counts(maps: list[KernelMap]) -> HostCopy | None:
     host sync each in a training step's backward, with the GPU busy. Returns the copy (maps after maps)."""
     if not maps:
         return None
-    together, starts = count_pairs(maps)
+    kernels = maps[0].kernels  # (one cache's maps: the same kernels)
+    together, starts = count_pairs(maps, None if kernels is None else kernels.pair_counts)
     copy = HostCopy(together)  # read where a tuner key or a wgrad first needs them, not here
     for kernel_map, start in zip(maps, starts):
         kernel_map.__dict__["offset_counts"] = together[start: start + kernel_map.kernel_volume]

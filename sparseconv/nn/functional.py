@@ -14,6 +14,7 @@ import torch
 
 from .._args import Triple, triple
 from ..coords.kernel_map import KernelMap, KernelMapKey
+from ..ops import batch
 from ..precision import accumulator_dtype
 from ..tensor import SparseTensor
 
@@ -179,7 +180,8 @@ def _pool_map(
         from ..ops import compiled
 
         return compiled.pool_map(input, key)
-    return input.cache.kernel_map(key)
+    kernel_map, _, out_id = batch.kernel_map(input.cache, key)
+    return kernel_map, out_id
 
 
 def _batch_index(input: SparseTensor, batch_size: int | None) -> tuple[torch.Tensor, int]:

@@ -37,6 +37,7 @@ from ..coords.cache import CoordinateCache
 from ..coords.kernel_map import KernelMap, KernelMapKey, Triple, owner_of
 from ..tensor import SparseTensor
 from ..backends.problem import ConvProblem, layer_problem
+from .batch import BUILDERS
 from .dispatch import AlgoPins, dispatch
 
 NAMESPACE = "sparseconv"
@@ -77,10 +78,10 @@ class _Plan:
                     try:
                         # The table too: a transposed map makes it on first read, which inside the
                         # graph would be a break of its own.
-                        cache.kernel_map(planned)[0].neighbors  # noqa: B018
+                        cache.kernel_map(planned, BUILDERS)[0].neighbors  # noqa: B018
                     except (IndexError, ValueError):  # the plan of another network: build on demand
                         break
-        hit = cache.kernel_map(key)
+        hit = cache.kernel_map(key, BUILDERS)
         self.keys = cache.built_keys()
         return hit
 

@@ -9,9 +9,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .._args import triple
+from ..coords.batch import MapUse
 from ..coords.kernel_map import KernelMap, KernelMapKey
 from ..tensor import SparseTensor
 from ..backends.problem import ConvProblem, layer_problem
+from . import batch
 from .dispatch import AlgoPins, Pin, dispatch
 
 
@@ -20,13 +22,15 @@ MATMUL = "matmul"
 
 
 class SparseConvFunction(torch.autograd.Function):
-    """feats (N_in, C_in), weight (K, C_in, C_out) -> (N_out, C_out), through ``kernel_map``."""
+    """feats (N_in, C_in), weight (K, C_in, C_out) -> (N_out, C_out), through ``kernel_map`` (``use``: its use
+    in the batch, where the products prepared on it are kept)."""
 
     @staticmethod
-    def forward(ctx, feats, weight, kernel_map: KernelMap, problem: ConvProblem, pins: AlgoPins, record):
+    def forward(ctx, feats, weight, kernel_map: KernelMap, use: MapUse | None, problem: ConvProblem, pins: AlgoPins,
+                record):
         ctx.save_for_backward(feats, weight)
-        ctx.kernel_map, ctx.problem, ctx.pins, ctx.record = kernel_map, problem, pins, record
-        return dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map, record)
+        ctx.kernel_map, ctx.use, ctx.problem, ctx.pins, ctx.record = kernel_map, use, problem, pins, record
+        return dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map, record, use)
 
     @staticmethod
     @once_differentiable
@@ -36,13 +40,13 @@ class SparseConvFunction(torch.autograd.Function):
         grad_feats = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_feats = dispatch(
-                "ABt_gather_scatter", ctx.problem, ctx.pins.dgrad, grad_out, weight, ctx.kernel_map, ctx.record
+                "ABt_gather_scatter", ctx.problem, ctx.pins.dgrad, grad_out, weight, ctx.kernel_map, ctx.record, ctx.use
             )
         if ctx.needs_input_grad[1]:
             grad_weight = dispatch(
-                "AtB_gather_gather", ctx.problem, ctx.pins.wgrad, feats, grad_out, ctx.kernel_map, ctx.record
+                "AtB_gather_gather", ctx.problem, ctx.pins.wgrad, feats, grad_out, ctx.kernel_map, ctx.record, ctx.use
             )
-        return grad_feats, grad_weight, None, None, None, None
+        return grad_feats, grad_weight, None, None, None, None, None
 
 
 def sparse_conv3d(
@@ -125,15 +129,15 @@ def checked_conv3d(
                 record.update({"ABt_gather_scatter": MATMUL, "AtB_gather_gather": MATMUL})
         return SparseTensor._derived(out, input.cache, input.coord_id)
     key = KernelMapKey(input.coord_id, kernel_size, stride, dilation, transposed, generative)
-    kernel_map, out_id = input.cache.kernel_map(key)
+    kernel_map, use, out_id = batch.kernel_map(input.cache, key)
     layer = (weight.shape[1], weight.shape[2], kernel_size, stride, dilation, transposed, generative,
              feats.dtype, feats.device)
     problem = layer_problem(kernel_map, layer)
     if torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad):
-        out = SparseConvFunction.apply(feats, weight, kernel_map, problem, pins, record)
-        kernel_map.forward_done()  # after the map's last forward product, what only backward reads is dropped
+        out = SparseConvFunction.apply(feats, weight, kernel_map, use, problem, pins, record)
+        use.forward_done()  # after the map's last forward product, what only backward reads is dropped
     else:  # nothing to differentiate: the forward product alone, without an autograd node (~5 µs)
-        out = dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map, record)
+        out = dispatch("AB_gather_scatter", problem, pins.fwd, feats, weight, kernel_map, record, use)
     if bias is not None:
         out = out + bias
     return SparseTensor._derived(out, input.cache, out_id)

@@ -15,6 +15,7 @@ import torch
 from .. import tune
 from ..backends import algos
 from ..backends.problem import PIN_ARGUMENT, ConvProblem
+from ..coords.batch import MapUse
 from ..coords.kernel_map import KernelMap
 
 Pin = str | Sequence[str] | None
@@ -57,10 +58,11 @@ def dispatch(
     b: torch.Tensor,
     kernel_map: KernelMap,
     record: dict[str, str] | None = None,
+    use: MapUse | None = None,
 ) -> torch.Tensor:
-    """Run product ``namespace`` of ``problem`` with the algorithm the pin or the tuner picks."""
-    uses = kernel_map.uses
-    if uses is not None:  # the map plan counts a map's products (KernelMap.lone)
-        uses[0] += 1
-    return tune.run(namespace, problem, algo, a, b, kernel_map, record)
+    """Run product ``namespace`` of ``problem`` with the algorithm the pin or the tuner picks; ``use``: the
+    map's use in its batch (:func:`.batch.kernel_map`), which counts the product and keeps it prepared."""
+    if use is not None:  # the map plan counts a map's products (KernelMap.lone)
+        use.used()
+    return tune.run(namespace, problem, algo, a, b, kernel_map, record, use)
 

@@ -17,7 +17,7 @@ from .. import config as _config
 from ..backends import compiling as _compiling
 from ..backends import registry as _registry
 from ..backends.problem import ConvProblem
-from ..coords import prebuild as _prebuild
+from ..coords.batch import MapUse
 from ..coords.kernel_map import KernelMap
 from . import shipped
 from .cache import TuneCache
@@ -64,26 +64,29 @@ def run(
     b: torch.Tensor,
     kernel_map: KernelMap,
     record: dict[str, str] | None = None,
+    use: MapUse | None = None,
 ) -> torch.Tensor:
-    """Product ``namespace`` of ``problem`` by the process-wide tuner's choice (the ops runner)."""
-    return get_tuner().run(namespace, problem, pin, a, b, kernel_map, record)
+    """Product ``namespace`` of ``problem`` by the process-wide tuner's choice (the ops runner); ``use``: the
+    map's use in its batch, where the prepared product is kept (:meth:`Tuner.run`)."""
+    return get_tuner().run(namespace, problem, pin, a, b, kernel_map, record, use)
 
 
-def _prepare_planned(wanted: list) -> None:
-    """The map plan's call builder: the products the last batch's layers prepared, prepared on the new maps."""
+def prepare_planned(wanted: list[tuple[KernelMap, MapUse, list]]) -> None:
+    """The map plan's call builder (:attr:`sparseconv.coords.batch.Builders.prepare`): the products the last
+    batch's layers prepared, prepared on the new maps (:meth:`Tuner.prepare_ahead`). A new batch's layer
+    otherwise keys, chooses and prepares its product at its first call, one layer at a time: ~100 µs of host
+    time more than its next call, where the same work for all of a batch's maps in one pass costs a fraction
+    (the host's caches stay warm through it)."""
     tuner, settings = get_tuner(), {}
-    for kernel_map, recipes in wanted:
+    for kernel_map, use, recipes in wanted:
         for recipe in recipes:
             namespace = recipe[0]
             if namespace not in settings:  # read once a batch, not once a product (~25)
                 settings[namespace] = _config.product_settings(namespace)
-            tuner.prepare_ahead(kernel_map, recipe, settings[namespace])
-
-
-_prebuild.set_call_builder(_prepare_planned)
+            tuner.prepare_ahead(kernel_map, use, recipe, settings[namespace])
 
 
 __all__ = [
-    "Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "reset", "run",
-    "wait_for_compiles",
+    "Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "prepare_planned",
+    "reset", "run", "wait_for_compiles",
 ]

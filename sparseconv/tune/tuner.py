@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .. import config
+from ..coords.batch import MapUse
 from ..coords.kernel_map import KernelMap
 from ..backends import compiling, registry
 from ..backends.problem import ConvProblem, layer_problem
@@ -35,6 +36,8 @@ from .timing import CLOSE
 logger = logging.getLogger("sparseconv.tune")
 
 
+_NO_CALLS: dict = {}
+"""The prepared calls of a product run without a map use (never written: nothing is kept)."""
 AHEAD = "AB_gather_scatter"
 """The product a new batch's map plan prepares ahead (:meth:`Tuner.prepare_ahead`): the forward's, whose views
 the plan builds; a backward product's views (dgrad plans, pair lists) made then would sit through the forward
@@ -67,23 +70,25 @@ class Tuner:
         b: torch.Tensor,
         kernel_map: KernelMap,
         record: dict[str, str] | None = None,
+        use: MapUse | None = None,
     ) -> torch.Tensor:
         """Compute ``namespace`` of ``problem`` with the chosen candidate; note its id in ``record``.
 
-        A settled choice of a backend that prepares its products is kept with the map, with the
-        prepared call (see :attr:`KernelMap.calls`): the layer's later calls on the map look up the
-        settings and that entry and call the kernels (~20 µs of host time less a call than
-        choosing and running through the backend's lookups)."""
+        A settled choice of a backend that prepares its products is kept in the map's ``use`` in its batch,
+        with the prepared call (:attr:`~sparseconv.coords.batch.MapUse.calls`): the layer's later calls on the
+        map look up the settings and that entry and call the kernels (~20 µs of host time less a call than
+        choosing and running through the backend's lookups). Without a ``use`` nothing is kept."""
         settings = config.product_settings(namespace)
         memo = (namespace, problem, pin, settings)
-        held = kernel_map.calls.get(memo)
+        calls = _NO_CALLS if use is None else use.calls
+        held = calls.get(memo)
         if held is not None and held[0] is self and _current(held[1]):
             if record is not None:
                 record[namespace] = held[1][0].id
             try:
                 return held[2](a.contiguous(), b.contiguous())
             except Exception:  # noqa: BLE001 - through the backend again, and its fallback if it fails there
-                kernel_map.calls.pop(memo, None)
+                calls.pop(memo, None)
         candidate, backend, settled = self._choose(namespace, problem, pin, a, b, kernel_map, settings)
         if record is not None:
             record[namespace] = candidate.id
@@ -96,10 +101,10 @@ class Tuner:
             except Exception:  # noqa: BLE001 - through the backend again, and its fallback if it fails there
                 pass
             else:
-                kernel_map.calls[memo] = (self, (candidate, backend), call)
-                on_call = kernel_map.on_call
-                if on_call is not None and namespace == AHEAD:
-                    on_call((namespace, pin, problem.layer))  # the next batch's map has it prepared ahead
+                if use is not None:
+                    calls[memo] = (self, (candidate, backend), call)
+                    if namespace == AHEAD:
+                        use.note_call((namespace, pin, problem.layer))  # the next batch's map has it prepared ahead
                 return out
         return _execute(namespace, problem, candidate, backend, a, b, kernel_map)
 
@@ -164,22 +169,22 @@ class Tuner:
                                  lambda m: make_key(namespace, problem, m, deterministic))
         return (key, mode.level, mode.names, effort), mode, effort, key
 
-    def prepare_ahead(self, kernel_map: KernelMap, recipe: tuple,
+    def prepare_ahead(self, kernel_map: KernelMap, use: MapUse, recipe: tuple,
                       settings: tuple[str | None, bool, str] | None = None) -> None:
-        """Prepare on a new batch's map the product a layer prepared at its first call on the last batch's
-        (``recipe``: (namespace, pin, :attr:`ConvProblem.layer`), what :meth:`run` told the map's
-        ``on_call``), where its choice is settled here: the layer's first call then finds it ready, as its
-        next calls do, instead of keying, choosing and preparing it there. The map plan calls this for a
-        batch's maps together (:func:`sparseconv.coords.prebuild.set_call_builder`); anything unsettled or
-        failing is left to the layer's call. ``settings``: :func:`config.product_settings` of the recipe's
-        namespace, where the caller read them already."""
+        """Prepare on a new batch's map (into its ``use``) the product a layer prepared at its first call on the
+        last batch's (``recipe``: (namespace, pin, :attr:`ConvProblem.layer`), what :meth:`run` noted,
+        :meth:`~sparseconv.coords.batch.MapUse.note_call`), where its choice is settled here: the layer's first
+        call then finds it ready, as its next calls do, instead of keying, choosing and preparing it there. The
+        map plan calls this for a batch's maps together (:func:`sparseconv.tune.prepare_planned`); anything
+        unsettled or failing is left to the layer's call. ``settings``: :func:`config.product_settings` of the
+        recipe's namespace, where the caller read them already."""
         try:
             namespace, pin, layer = recipe
             problem = layer_problem(kernel_map, layer)
             if settings is None:
                 settings = config.product_settings(namespace)
             memo = (namespace, problem, pin, settings)
-            if memo in kernel_map.calls:
+            if memo in use.calls:
                 return
             remembered, mode, _, _ = self._memo(namespace, problem, pin, kernel_map, settings)
             choice = self._choices.get(remembered)
@@ -193,7 +198,7 @@ class Tuner:
             candidate, backend = choice
             if backend.prepare is not None:
                 call = backend.prepare(namespace, problem, candidate.params_dict, kernel_map)
-                kernel_map.calls[memo] = (self, (candidate, backend), call)
+                use.calls[memo] = (self, (candidate, backend), call)
         except Exception:  # noqa: BLE001 - never costs the batch its plan: the layer's call prepares it
             return
 

@@ -89,7 +89,7 @@ def test_a_planned_batch_gets_the_maps_a_lazy_build_makes(device, one_launch, mo
         x = batch(device, seed)  # new coordinates: every planned map is built at the first request
         planned = requests(x)
         assert len(prebuilt[-1]) == 13  # 4 + 1 dilated + 1 anisotropic subm, 3 down, 2 generative, 2 subm on theirs
-        assert x.cache._planned == {}, "a planned map was never asked for"
+        assert x.cache.batch.planned == {}, "a planned map was never asked for"
         strided = [m for key, m in prebuilt[-1].items() if key.stride != (1, 1, 1) and not key.generative]
         assert len(strided) == 3 and all(("transposed_neighbors" in m.__dict__) == one_launch for m, _ in strided)
         monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
@@ -117,7 +117,7 @@ def test_a_plan_of_one_coarse_set_gets_the_maps_a_lazy_build_makes(device, one_l
     one_level(batch(device, 0))
     x = batch(device, 1)
     planned = one_level(x)
-    assert x.cache.set_count() == 2 and x.cache._planned == {}, "the coarse set and its maps came from the plan"
+    assert x.cache.set_count() == 2 and x.cache.batch.planned == {}, "the coarse set and its maps came from the plan"
     monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
     y = batch(device, 1)
     assert_same_maps(planned, one_level(y), x.cache, y.cache)
@@ -144,7 +144,7 @@ def test_a_planned_batch_builds_its_sets_and_tables_at_once_reading_the_host_onc
     assert x.cache.set_count() == 6  # the input, strides 2, 4, 8, two generated sets (stride 3: lazily)
     # Every planned map's pair counts come from that one copy, its adjoint's too (the wgrad
     # backends read them in a training step's backward): one copy for all of them, read on the host.
-    planned = [kernel_map for kernel_map, _ in x.cache._planned.values()]
+    planned = [kernel_map for kernel_map, _ in x.cache.batch.planned.values()]
     assert len(planned) == 12  # the first request's map is handed out already
     for kernel_map in planned:
         assert kernel_map.pair_counts == kernel_map.transposed().pair_counts == (kernel_map.neighbors >= 0).sum(0).tolist()
@@ -159,10 +159,10 @@ def test_the_plan_keeps_what_the_last_two_batches_asked_for(device):
     x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))  # this batch asks for one map only
     y = batch(device, 4)
     y.cache.kernel_map(KernelMapKey(y.coord_id, *SUBM))
-    assert len(y.cache._planned) > 1, "the batch before the last one still counts"
+    assert len(y.cache.batch.planned) > 1, "the batch before the last one still counts"
     z = batch(device, 5)
     z.cache.kernel_map(KernelMapKey(z.coord_id, *SUBM))
-    assert z.cache._planned == {}, "two batches asked for one map: nothing else is built"
+    assert z.cache.batch.planned == {}, "two batches asked for one map: nothing else is built"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -172,7 +172,7 @@ def test_only_a_batchs_first_set_is_planned_from(device):
     coarse = x.cache.kernel_map(KernelMapKey(x.coord_id, *DOWN))[1]
     assert x.cache.set_count() == 6  # planned at the first request
     moved = x.cache.to("meta") if device == "cpu" else x.cache.to("cpu")
-    assert moved.set_count() == 6 and moved._record is None  # a moved cache keeps its sets; builds lazily
+    assert moved.set_count() == 6 and moved.batch.record is None  # a moved cache keeps its sets; builds lazily
     assert coarse == x.cache.canonical((2, 2, 2))
 
 
@@ -249,12 +249,13 @@ def test_a_record_keeps_only_the_views_a_builder_makes(device):
     layers = torch.nn.Sequential(SparseConv3d(2, 4, 3), SparseConv3d(4, 4, 2, 2)).to(device)
     x = batch(device, 0)
     layers(x)
-    record = x.cache._record
+    record = x.cache.batch.record
     kept = [key for keys in (*record.views.values(), *record.adjoint_views.values()) for key in keys]
     asked = [key for m in x.cache.kernel_maps() for key in m._derived]
     assert any(isinstance(key, tuple) and key[0] == "conv_problem" for key in asked), "the layers made views"
-    assert prebuild.view_kinds and all(isinstance(key, tuple) and key[0] in prebuild.view_kinds for key in kept)
-    assert set(kept) == {key for key in asked if isinstance(key, tuple) and key[0] in prebuild.view_kinds}
+    kinds = x.cache.batch.builders.view_kinds  # the library's builders' (what the layers' map requests pass)
+    assert kinds and all(isinstance(key, tuple) and key[0] in kinds for key in kept)
+    assert set(kept) == {key for key in asked if isinstance(key, tuple) and key[0] in kinds}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -270,7 +271,7 @@ def test_a_planned_batch_drops_its_hash_tables_but_those_queried_after_the_plan(
     keys = x.cache.keys(x.coord_id)
     assert keys.untyped_storage().nbytes() == keys.numel() * keys.element_size()
     planned = requests(x)
-    assert set(x.cache._tables) == {x.coord_id} and x.cache._record.keep_tables == {(1, 1, 1)}
+    assert set(x.cache._tables) == {x.coord_id} and x.cache.batch.record.keep_tables == {(1, 1, 1)}
     monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
     y = batch(device, 6)
     assert_same_maps(planned, requests(y), x.cache, y.cache)
@@ -295,7 +296,7 @@ def test_planned_pair_counts_wait_for_their_copy_when_the_gpu_is_behind(monkeypa
 
     monkeypatch.setattr(kernel_map_module.HostCopy, "__init__", behind)
     x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
-    planned = [kernel_map for kernel_map, _ in x.cache._planned.values()]
+    planned = [kernel_map for kernel_map, _ in x.cache.batch.planned.values()]
     read = [kernel_map.pair_counts for kernel_map in planned]
     assert read == [(kernel_map.neighbors >= 0).sum(0).tolist() for kernel_map in planned]
 
@@ -335,7 +336,7 @@ def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_
                 conv(x)
         kernel_map = x.cache.kernel_maps()[0]
         maps.append(kernel_map)
-        assert kernel_map.uses == [products]
+        assert x.cache.batch.use(kernel_map).uses == [products]
         problems = [view for key, view in kernel_map._derived.items() if key[0] == "conv_problem"]
         assert [problem.lone for problem in problems] == [kernel_map.lone]  # what the tuner reads
         return kernel_map.lone
@@ -433,7 +434,7 @@ def test_a_detection_backbones_maps_on_generated_sets_are_planned_as_its_layers_
         monkeypatch.setenv("SPARSECONV_PLAN_MAPS", "0")
         y = batch(device, 2)
         lazy = net(y)
-    assert len(prebuilt) == 1 and set(prebuilt[0]) == set(x.cache._maps) and x.cache._planned == {}
+    assert len(prebuilt) == 1 and set(prebuilt[0]) == set(x.cache._maps) and x.cache.batch.planned == {}
     assert len(x.cache._maps) == 6 and sum(key.generative for key in x.cache._maps) == 3  # 3 submanifold maps
     assert list(x.cache._maps) == list(y.cache._maps)
     for key, (kernel_map, out_id) in x.cache._maps.items():
@@ -479,7 +480,7 @@ def test_a_batch_whose_generation_fails_raises_from_its_layer_and_the_next_batch
         x = batch("cpu", 3)
         net(x)
     assert not caplog.records and [len(maps) for maps in prebuilt] == [2, 0, 2]
-    assert set(prebuilt[-1]) == set(x.cache._maps) and x.cache._planned == {}
+    assert set(prebuilt[-1]) == set(x.cache._maps) and x.cache.batch.planned == {}
 
 
 # A network's requests drawn at random: submanifold maps (dilated, anisotropic) on the current set, k2 s2 floors,
@@ -511,7 +512,7 @@ def test_any_network_of_generated_and_canonical_sets_is_planned_as_its_layers_bu
     requests_of(batch("cpu", seed))
     x = batch("cpu", seed + 1)
     planned = requests_of(x)
-    assert x.cache._planned == {}, "a planned map was never asked for"
+    assert x.cache.batch.planned == {}, "a planned map was never asked for"
     # Every map the plan can describe was built at the batch's first request (but a plan of one map: a lone layer's).
     plannable = {key for key, _, _ in planned if plan.spec_of(x.cache, key) is not None}
     if len({plan.spec_of(x.cache, key) for key in plannable}) > 1:

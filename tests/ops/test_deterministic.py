@@ -243,9 +243,9 @@ def chosen_algorithms():
 
     run = sparseconv.tune.run
 
-    def spy(namespace, problem, pin, a, b, kernel_map, record=None):
+    def spy(namespace, problem, pin, a, b, kernel_map, record=None, use=None):
         record = {} if record is None else record
-        out = run(namespace, problem, pin, a, b, kernel_map, record)
+        out = run(namespace, problem, pin, a, b, kernel_map, record, use)
         chosen.append((namespace, record[namespace]))
         return out
 

@@ -17,6 +17,7 @@ from sparseconv.coords import kernel_map as kernel_map_module
 from sparseconv.backends import explicit, get, implicit_triton, mask_triton, mask_views, planned_views
 from sparseconv.backends.triton_launch import Bound
 from sparseconv.backends.problem import ConvProblem
+from sparseconv.ops.batch import kernel_map as map_request
 
 CASES = [m for m in MODES if m.name in ("submanifold_k3", "strided_k2_s2", "transposed_k2_s2", "transposed_k3_s2",
                                         "generative_k3_s1")]
@@ -38,7 +39,7 @@ def _input_and_map(mode, channels: int, device, dtype, n: int, extent: int):
     x = make_input(mode, channels, device, dtype=dtype, n=n, extent=extent)
     size = mode.kernel_size if isinstance(mode.kernel_size, tuple) else (mode.kernel_size,) * 3
     key = KernelMapKey(x.coord_id, size, (mode.stride,) * 3, (1, 1, 1), mode.transposed, mode.generative)
-    return x, x.cache.kernel_map(key)[0]
+    return x, map_request(x.cache, key)[0]
 
 
 @pytest.fixture
@@ -160,9 +161,9 @@ def test_pair_lists_of_the_kernels_are_the_maps_own(mode, device, monkeypatch):
     """The two-launch pair lists every backend reads on a GPU: the same pairs in the same order (by
     offset, then by output row) and the same offset pointers as the torch ops' (the reference),
     every entry of the uninitialised lists written; rows not a multiple of a block, 27 and 125 offsets."""
-    monkeypatch.setattr(kernel_map_module, "_pair_builder", None)  # the torch ops build the reference
     x, kernel_map = _input_and_map(mode, 4, device, torch.float32, n=300 if device == "cpu" else 7000,
                                    extent=9 if device == "cpu" else 40)
+    monkeypatch.setattr(kernel_map, "kernels", None)  # the torch ops build the reference
     expected = kernel_map.pairs
     full = torch.full
     monkeypatch.setattr(torch, "empty", lambda size, **kw: full(tuple(size) if isinstance(size, tuple) else (size,),
@@ -465,12 +466,12 @@ def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
         return SparseTensor(coords, torch.randn(len(coords), 2))
 
     def up_of(x):  # the transposed conv back from the down conv's coordinates: the down map's adjoint
-        coarse = x.cache.kernel_map(down)[1]
+        coarse = map_request(x.cache, down)[2]
         return KernelMapKey(coarse, (2, 2, 2), (2, 2, 2), (1, 1, 1), True, False)
 
     def use(x):  # the views a layer of each use asks for (a dgrad's groups are mirrored)
         for key, forward, groups in uses + [(up_of(x), True, [(0, 8)])]:
-            kernel_map = x.cache.kernel_map(key)[0]
+            kernel_map = map_request(x.cache, key)[0]
             for group in groups:
                 mask_views.sorted_rows(kernel_map, forward, True, group, groups)
 
@@ -479,9 +480,9 @@ def test_planned_row_orders_are_the_layers_own_from_one_sort(monkeypatch):
     original = torch.sort
     monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(a[0].numel()) or original(*a, **k))
     x = batch()
-    maps = {key: x.cache.kernel_map(key)[0] for key in (subm, down)}  # the plan builds both, then their orders
+    maps = {key: map_request(x.cache, key)[0] for key in (subm, down)}  # the plan builds both, then their orders
     up = up_of(x)
-    maps[up] = x.cache._planned[up][0]  # the adjoint, kept for the transposed conv with its order
+    maps[up] = x.cache.batch.planned[up][0]  # the adjoint, kept for the transposed conv with its order
     assert maps[up].transpose_of is maps[down]
     assert len(sorts) == 1, "one torch.sort for every planned order"
     offered = {key: dict(m.__dict__.get("_offered", {})) for key, m in maps.items()}
@@ -521,12 +522,12 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
         return SparseTensor(coords, torch.randn(len(coords), 2, device=device))
 
     def up_of(x):
-        coarse = x.cache.kernel_map(down)[1]
+        coarse = map_request(x.cache, down)[2]
         return KernelMapKey(coarse, (2, 2, 2), (2, 2, 2), (1, 1, 1), True, False)
 
     def use(x):
         for key, forward, groups, block_m in uses + [(up_of(x), True, [(0, 8)], 32)]:
-            kernel_map = x.cache.kernel_map(key)[0]
+            kernel_map = map_request(x.cache, key)[0]
             for group in groups:
                 mask_views.sorted_rows(kernel_map, forward, True, group, groups)
                 mask_views.tile_plan(kernel_map, forward, True, block_m, group)
@@ -537,9 +538,9 @@ def test_planned_tile_plans_are_the_layers_own_from_one_launch_per_tile_height(m
     for module in (mask_views, planned_views):  # the layers' launches and the plan's
         monkeypatch.setattr(module, "launch", lambda kernel, *a, **k: launches.append(kernel) or original(kernel, *a, **k))
     x = batch()
-    maps = {key: x.cache.kernel_map(key)[0] for key in (subm, down)}
+    maps = {key: map_request(x.cache, key)[0] for key in (subm, down)}
     up = up_of(x)
-    maps[up] = x.cache._planned[up][0]
+    maps[up] = x.cache.batch.planned[up][0]
     kernels = tk.kernels()
     assert launches.count(kernels.tile_plans) == 1, "one launch for the 32-row plans (widths 14, 13, 8, 8)"
     assert launches.count(kernels.tile_plan) == 1, "the 64-row plan, alone at its height, by the one-plan kernel"
@@ -629,10 +630,10 @@ def test_a_training_pass_frees_planned_tile_plans_after_their_maps_last_forward_
     ours, reference = net("mask_implicit_gemm", "splitk_wgrad"), net("explicit_gemm", "explicit_gemm")
     monkeypatch.setattr(planned_views, "RELEASE_BYTES", 0)  # tiny maps' plans (the GPU's too)
     held, released = [], []
-    offer, release = KernelMap.offer, KernelMap.release
+    offer, release = KernelMap.offer, KernelMap.release_views
     monkeypatch.setattr(KernelMap, "offer", lambda self, key, view, releasable=False: (
         held.append(view) if releasable else None) or offer(self, key, view, releasable))
-    monkeypatch.setattr(KernelMap, "release", lambda self: released.append(self) or release(self))
+    monkeypatch.setattr(KernelMap, "release_views", lambda self: released.append(self) or release(self))
     for seed in range(3):
         torch.manual_seed(seed)
         coords = random_coords(60 if device == "cpu" else 5000, 8 if device == "cpu" else 40, low=-3, device=device)
