@@ -372,7 +372,7 @@ def test_every_deterministic_candidate_repeats_bitwise_on_cuda(dtype):
     the same bits (a race in a candidate marked deterministic shows here; explicit_gemm included)."""
     products = []
 
-    def capture(namespace, problem, pin, a, b, kernel_map, record=None):
+    def capture(namespace, problem, pin, a, b, kernel_map, record=None, use=None):
         products.append((namespace, problem, a, b, kernel_map))
         return registry.get("explicit_gemm").run(namespace, problem, {}, a, b, kernel_map)
 
