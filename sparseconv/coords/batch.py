@@ -12,6 +12,7 @@ Nothing is registered at import: the floor above names its builders in one place
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -54,11 +55,13 @@ class MapUse:
     (prepared ahead on the next batch's map); ``forward_count`` / ``forward_left``, the forward products of a
     training pass on the map and how many are still expected (:meth:`forward_done`)."""
 
-    __slots__ = ("map", "batch", "calls", "spec", "adjoint", "uses", "recipes", "planned", "forward_count",
+    __slots__ = ("map", "_batch", "calls", "spec", "adjoint", "uses", "recipes", "planned", "forward_count",
                  "forward_left")
 
     def __init__(self, kernel_map: KernelMap, batch: Batch) -> None:
-        self.map, self.batch = kernel_map, batch
+        # The batch by a weak reference: a cycle between it and its uses would hold a batch's maps, views and
+        # prepared products (GPU memory) until a full garbage collection, batch after batch.
+        self.map, self._batch = kernel_map, weakref.ref(batch)
         self.calls: dict[Hashable, object] = {}
         self.spec: MapSpec | None = None
         self.adjoint = False
@@ -100,8 +103,9 @@ class MapUse:
     def release(self) -> None:
         """Release the map's releasable views (:meth:`KernelMap.release_views`) and forget the calls prepared
         on it and on its adjoint, which may hold them: the next product is prepared again."""
+        batch = self._batch()
         for kernel_map in self.map.release_views():
-            use = self.batch.uses.get(id(kernel_map))
+            use = None if batch is None else batch.uses.get(id(kernel_map))
             if use is not None:
                 use.calls.clear()
 

@@ -85,7 +85,7 @@ class Record:
         if not (kernel_map.each_input_once or kernel_map.each_output_once or kernel_map.transpose_of is not None
                 or "offset_counts" in kernel_map.__dict__):  # (pairs known, an adjoint's, counted ahead)
             self._hint(key, kernel_map, spec is not None and spec == self.lone)
-        kinds = use.batch.builders.view_kinds
+        kinds = cache.batch.builders.view_kinds
         if spec is not None and spec not in self.specs:
             self.specs.append(spec)
             kernel_map.on_view = _recorder(self.views.setdefault(spec, {}), kinds)
@@ -96,7 +96,7 @@ class Record:
             self._count(use, (spec, False))
             _replay(kernel_map)
         source = kernel_map.transpose_of
-        source_use = None if spec is not None or source is None else use.batch.uses.get(id(source))
+        source_use = None if spec is not None or source is None else cache.batch.uses.get(id(source))
         if source_use is not None and not source_use.adjoint and source_use.spec in self.views:
             spec = source_use.spec
             use.spec, use.adjoint = spec, True
