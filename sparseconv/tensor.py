@@ -11,7 +11,7 @@ from ._args import Triple, triple
 from .coords.cache import CoordinateCache, on_device
 from .coords.hashing import CoordHashTable
 from .coords.keys import range_violation_of, unpack_keys
-from .coords.kernel_map import HostCopy
+from .coords.host_copy import HostCopy
 
 DUPLICATE_MODES = ("error", "sum", "mean")
 _WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernel_map import current_stream
+from .host_copy import current_stream
 from .keys import EMPTY_KEY, pack_coords, unpack_keys
 
 MAX_LEVELS = 8

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from .. import config
 from . import prebuild
 from .batch import MapUse
-from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple
+from .host_copy import HostCopy
+from .kernel_map import KernelMap, KernelMapKey, Triple
 from .prebuild import MapSpec, copy_pair_counts
 
 if TYPE_CHECKING:

@@ -22,7 +22,8 @@ import torch
 from .batch import Builders
 from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_sets, query_many
 from .keys import floor_masks, floors_by_mask
-from .kernel_map import HostCopy, KernelMap, KernelMapKey, Triple, count_pairs, offset_deltas
+from .host_copy import HostCopy
+from .kernel_map import KernelMap, KernelMapKey, Triple, count_pairs, offset_deltas
 
 if TYPE_CHECKING:
     from .cache import CoordinateCache

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from sparse_reference import random_coords, relative_error
 
 from sparseconv import SparseTensor
-from sparseconv.coords import KernelMapKey, hashing, offset_deltas, plan, prebuild
-from sparseconv.coords import kernel_map as kernel_map_module
+from sparseconv.coords import KernelMapKey, hashing, host_copy, offset_deltas, plan, prebuild
 from sparseconv.coords.hashing import CoordHashTable, MapQuery
 from sparseconv.coords.keys import floor_masks, pack_coords
 
@@ -288,13 +287,13 @@ def test_planned_pair_counts_wait_for_their_copy_when_the_gpu_is_behind(monkeypa
     # behind ~50 ms of GPU work, reading the pinned buffer without that wait would see garbage.
     requests(batch("cuda", 0))
     x = batch("cuda", 5)
-    start = kernel_map_module.HostCopy.__init__
+    start = host_copy.HostCopy.__init__
 
     def behind(self, tensor):
         torch.cuda._sleep(100_000_000)
         start(self, tensor)
 
-    monkeypatch.setattr(kernel_map_module.HostCopy, "__init__", behind)
+    monkeypatch.setattr(host_copy.HostCopy, "__init__", behind)
     x.cache.kernel_map(KernelMapKey(x.coord_id, *SUBM))
     planned = [kernel_map for kernel_map, _ in x.cache.batch.planned.values()]
     read = [kernel_map.pair_counts for kernel_map in planned]
@@ -305,18 +304,18 @@ def test_planned_pair_counts_wait_for_their_copy_when_the_gpu_is_behind(monkeypa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_host_copies_take_a_kept_pinned_slot_again_only_once_its_copy_is_done():
     values = torch.randint(0, 1000, (40,), device="cuda")
-    first = kernel_map_module.HostCopy(values)
+    first = host_copy.HostCopy(values)
     address = first._host.data_ptr()
     assert first.values() == values.tolist()
-    again = kernel_map_module.HostCopy(values + 1)  # the slot the first gave back once read
+    again = host_copy.HostCopy(values + 1)  # the slot the first gave back once read
     assert again._host.data_ptr() == address and again.values() == (values + 1).tolist()
     # A copy queued behind ~50 ms of GPU work and dropped unread: its slot is still being written to,
     # so the next copy takes another (reading that one would see the late copy land on it).
     torch.cuda._sleep(100_000_000)
-    pending = kernel_map_module.HostCopy(values + 2)
+    pending = host_copy.HostCopy(values + 2)
     busy = pending._host.data_ptr()
     del pending
-    other = kernel_map_module.HostCopy(values + 3)
+    other = host_copy.HostCopy(values + 3)
     assert other._host.data_ptr() != busy and other.values() == (values + 3).tolist()
 
 
