@@ -63,17 +63,17 @@ def sorted_rows(kernel_map: KernelMap, forward: bool, sort: bool, group: tuple[i
         orders = fused_row_orders(table, together, m.ranking_counts())
         for other, order in zip(together, orders):
             if other != (lo, hi):
-                m.derived(_rows_key(sort, *other), lambda _, order=order: order)
+                m.derived(rows_key(sort, *other), lambda _, order=order: order)
         return orders[together.index((lo, hi))]
 
-    return kernel_map.derived(_rows_key(sort, lo, hi), build)
+    return kernel_map.derived(rows_key(sort, lo, hi), build)
 
 
 ROWS_VIEW, PLAN_VIEW = "mask_rows", "tile_plan"
 """The kinds (first items) of the map's view keys of :func:`sorted_rows` and :func:`tile_plan`."""
 
 
-def _rows_key(sort: bool, lo: int, hi: int) -> tuple:
+def rows_key(sort: bool, lo: int, hi: int) -> tuple:
     """The map's view key of :func:`sorted_rows`'s forward order (a dgrad's is its adjoint's or a
     mirrored group's forward order)."""
     return (ROWS_VIEW, sort, lo, hi)
@@ -166,7 +166,7 @@ def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch
         return None
     rows, volume = table.shape
     device = table.device
-    width, block = block_width(volume), _pair_block(volume)
+    width, block = block_width(volume), pair_block(volume)
     blocks = max(1, tk.cdiv(rows, block))
     total = kernel_map.num_pairs
     # One allocation for the lists, the offsets' starts and the blocks' counts (int32), each part 16-byte
@@ -189,7 +189,7 @@ def pair_lists(kernel_map: KernelMap) -> tuple[torch.Tensor, torch.Tensor, torch
     return in_idx, out_idx, offset_ptr
 
 
-def _pair_block(volume: int) -> int:
+def pair_block(volume: int) -> int:
     """Rows a pair-list program takes: about 4096 table entries."""
     return max(16, 4096 // block_width(volume))
 
@@ -278,8 +278,8 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
             # op costs the host ~10-20 µs on a new map; this view is rebuilt for every new point
             # cloud). Each part starts 16-byte aligned: Triton specialises pointers on it (an
             # unaligned one is another compile, and loses vector loads).
-            flat = torch.empty(_plan_layout(tiles, width, block_m)[3], dtype=torch.int32, device=device)
-            views = _plan_views(flat, tiles, width, block_m)
+            flat = torch.empty(plan_layout(tiles, width, block_m)[3], dtype=torch.int32, device=device)
+            views = plan_views(flat, tiles, width, block_m)
             if tiles:
                 launch_tile_plan(table, rows, views, lo, block_m)
             return views
@@ -300,7 +300,7 @@ def tile_plan(kernel_map: KernelMap, forward: bool, sort: bool, block_m: int, gr
     return views
 
 
-def _plan_layout(tiles: int, width: int, block_m: int) -> tuple[int, int, int, int]:
+def plan_layout(tiles: int, width: int, block_m: int) -> tuple[int, int, int, int]:
     """Where the counts, slots and used flags of one tile plan's buffer start, and its size, in
     int32s (the lists start it): each part 16-byte aligned, as Triton specialises pointers on it."""
     counts = _aligned(tiles * width)
@@ -309,11 +309,11 @@ def _plan_layout(tiles: int, width: int, block_m: int) -> tuple[int, int, int, i
     return counts, slots, used, used + _aligned(-(-tiles * width // 4))
 
 
-def _plan_views(flat: torch.Tensor, tiles: int, width: int, block_m: int) -> tuple[torch.Tensor, ...]:
+def plan_views(flat: torch.Tensor, tiles: int, width: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """(used, offsets, counts, slots) of a tile plan held in ``flat`` (laid out by
-    :func:`_plan_layout`, starting 16-byte aligned): what :func:`tile_plan` returns, but ``used`` as the
+    :func:`plan_layout`, starting 16-byte aligned): what :func:`tile_plan` returns, but ``used`` as the
     int32 part that holds its bytes (:func:`tile_offsets` reads it as bools, the one reader)."""
-    counts, slots, used, size = _plan_layout(tiles, width, block_m)
+    counts, slots, used, size = plan_layout(tiles, width, block_m)
     # One split for the parts and their pads, and one view (each view a torch op of ~5-10 µs of host
     # time in a step: a new batch makes ~25 plans, and its backward restores ~50)
     lists, _, per_tile, _, sources, flags = flat.split_with_sizes(
@@ -322,7 +322,7 @@ def _plan_views(flat: torch.Tensor, tiles: int, width: int, block_m: int) -> tup
 
 
 def _as_flags(used: torch.Tensor, tiles: int, width: int) -> torch.Tensor:
-    """A tile plan's (tiles, width) bool used flags (a fused plan holds their bytes in int32, :func:`_plan_views`)."""
+    """A tile plan's (tiles, width) bool used flags (a fused plan holds their bytes in int32, :func:`plan_views`)."""
     if used.dtype == torch.bool:
         return used
     return used.view(torch.bool)[: tiles * width].view(tiles, width)
@@ -334,7 +334,7 @@ def _aligned(count: int) -> int:
 
 
 def launch_tile_plan(table: torch.Tensor, rows: torch.Tensor, views: tuple, lo: int, block_m: int) -> None:
-    """The ``tile_plan`` launch writing ``views`` (:func:`_plan_views`' (used, offsets, counts, slots))
+    """The ``tile_plan`` launch writing ``views`` (:func:`plan_views`' (used, offsets, counts, slots))
     for the visiting order ``rows`` of ``table``'s offsets from ``lo``."""
     used, offsets, counts, slots = views
     # The kernel writes the flags' bytes through the int32 part that holds them (a bool view: one op more)
@@ -353,7 +353,7 @@ def _plan_launch(table, rows, used, offsets, counts, slots, num_rows: int, row_s
 def precompile_pairs(device: torch.device, volume: int) -> None:
     """Compile :func:`pair_lists`' kernels for a (rows, ``volume``) table without running them."""
     kernels, i32, i64 = tk.kernels(), torch.int32, torch.int64
-    options = dict(BLOCK=_pair_block(volume), WIDTH=block_width(volume))
+    options = dict(BLOCK=pair_block(volume), WIDTH=block_width(volume))
     warm(kernels.pair_blocks, device, i32, i32, 2, volume, 2, **options)
     warm(kernels.pair_lists, device, i32, i32, i64, i64, i64, 2, volume, 2, **options)
 
@@ -375,8 +375,8 @@ def precompile(device: torch.device, num_rows: int, volume: int, groups: Sequenc
             warm(kernels.row_masks_many, device, i64, i64, 2, BLOCK=MASK_ROWS, WIDTH=width, SHIFT=PLANNED_SHIFT)
         warm(kernels.orders_from_positions, device, i64, i64, 2, BLOCK=MASK_ROWS)
     # the map plan's pair counts (its widest table sets the block: this one's, a submanifold 3^3)
-    warm(kernels.pair_counts_many, device, i64, i64, 2, BLOCK=_pair_block(volume), WIDTH=block_width(volume))
-    warm(kernels.pair_counts, device, i32, i64, 2, volume, BLOCK=_pair_block(volume), WIDTH=block_width(volume))
+    warm(kernels.pair_counts_many, device, i64, i64, 2, BLOCK=pair_block(volume), WIDTH=block_width(volume))
+    warm(kernels.pair_counts, device, i32, i64, 2, volume, BLOCK=pair_block(volume), WIDTH=block_width(volume))
     for lo, hi in groups if block_m is not None else ():
         width = hi - lo  # the row order below: int64 sort indices
         args, options = _plan_launch(i32, i64, i32, i32, i32, i32, num_rows, volume, lo, width, block_m)

@@ -15,8 +15,8 @@ import torch
 from ..coords.kernel_map import KernelMap
 from . import triton_kernels as tk
 from .mask_views import (
-    MASK_ROWS, PLAN_VIEW, PLANNED_SHIFT, ROWS_VIEW, _pair_block, _plan_layout, _plan_views, _rows_key, block_width,
-    fused, launch_tile_plan, product_table, sorted_rows,
+    MASK_ROWS, PLAN_VIEW, PLANNED_SHIFT, ROWS_VIEW, block_width, fused, launch_tile_plan, pair_block, plan_layout,
+    plan_views, product_table, rows_key, sorted_rows,
 )
 from .triton_launch import launch, launch_ready
 
@@ -35,7 +35,7 @@ def build_planned_orders(wanted: list[tuple[KernelMap, list]]) -> None:
         if not (table.shape[0] and fused(table)):
             continue
         for key in keys:
-            if (isinstance(key, tuple) and len(key) == 4 and key == _rows_key(True, key[2], key[3])
+            if (isinstance(key, tuple) and len(key) == 4 and key == rows_key(True, key[2], key[3])
                     and 0 < key[3] - key[2] <= PLANNED_SHIFT):
                 parts.append((kernel_map, key))
     if len(parts) < 2:
@@ -99,11 +99,11 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
     for block_m, group in parts.items():
         meta, first = [], 0
         for kernel_map, key, table, rows, tiles, width in group:
-            # Each plan in a buffer of its own (its parts 16-byte aligned, _plan_layout): a dgrad that
+            # Each plan in a buffer of its own (its parts 16-byte aligned, plan_layout): a dgrad that
             # reads one plan of a released map has that one restored, not the map's others with it.
-            counts, slots, used, size = _plan_layout(tiles, width, block_m)
+            counts, slots, used, size = plan_layout(tiles, width, block_m)
             flat = torch.empty(size, dtype=torch.int32, device=table.device)
-            buffer = _PlanBuffer(flat, _plan_views(flat, tiles, width, block_m), table, rows, key[4], block_m)
+            buffer = _PlanBuffer(flat, plan_views(flat, tiles, width, block_m), table, rows, key[4], block_m)
             kernel_map.offer(key, _PlannedViews(buffer.views, buffer), releasable=buffer.nbytes >= RELEASE_BYTES)
             start = flat.data_ptr()  # the kernel writes by address (int32 units below, 4 bytes each)
             meta.append([first, table.data_ptr(), rows.data_ptr(), rows.numel(), table.stride(0), key[4], width,
@@ -189,7 +189,7 @@ def pair_counts(maps: list[KernelMap]) -> tuple[torch.Tensor, list[int]] | None:
     if not all(fused(t) and t.dtype == torch.int32 and t.is_contiguous() for t in tables):
         return None
     widest = max(t.shape[1] for t in tables)
-    block = _pair_block(widest)  # one block height for all: the widest table's
+    block = pair_block(widest)  # one block height for all: the widest table's
     if len(tables) == 1:  # no table of addresses to copy to the device: the one-table kernel
         (rows, width), = (t.shape for t in tables)
         out = torch.zeros(width, dtype=torch.int64, device=tables[0].device)

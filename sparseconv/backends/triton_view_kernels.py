@@ -154,7 +154,7 @@ def define(triton, tl) -> dict:
     def tile_plan(table_ptr, order_ptr, used_ptr, list_ptr, count_ptr, slots_ptr, rows, row_stride, lo, width,
                   BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
         """One tile of one (table, row order) pair's plan (:func:`_plan_tile`) a program. ``used_ptr``: the
-        int32 part of the plan's buffer that holds the used flags' bytes (:func:`mask_views._plan_views`)."""
+        int32 part of the plan's buffer that holds the used flags' bytes (:func:`mask_views.plan_views`)."""
         _plan_tile(table_ptr, order_ptr, used_ptr.to(tl.pointer_type(tl.int8)), list_ptr, count_ptr, slots_ptr,
                    tl.program_id(0), rows, row_stride, lo, width, BLOCK_M, WIDTH)
 

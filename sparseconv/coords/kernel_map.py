@@ -219,6 +219,10 @@ class KernelMap:
                 self.on_view(key)
         return view  # type: ignore[return-value]
 
+    def view_keys(self) -> list[Hashable]:
+        """The keys of the views built or taken so far, in that order."""
+        return list(self._derived)
+
     def offer(self, key: Hashable, view: object, releasable: bool = False) -> None:
         """Hold ``view``, built ahead (several maps' views in one pass), for :meth:`derived` to take
         when a layer asks for ``key``; one never asked for is not reported to :attr:`on_view`.

@@ -184,7 +184,7 @@ def _replay(kernel_map: KernelMap) -> None:
     """Record the views a planned map holds before its first layer asks for it: those view builders
     made from others (a tile plan reads a row order), which the layers then never build or take, and
     which the next batch's builders need all the same."""
-    for key in list(kernel_map._derived):
+    for key in kernel_map.view_keys():
         kernel_map.on_view(key)
 
 

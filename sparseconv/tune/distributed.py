@@ -88,3 +88,14 @@ def claim(namespace: str, key: str) -> str | None:
         return None
     # The claimer may have published between our two looks; get() of a missing key would block.
     return _text(store.get(published)) if store.check([published]) else ""
+
+
+class Ranks:
+    """The tuner's agreement with the job's other ranks (:func:`claim` a key to time, :func:`agree` on its
+    choice) through the job's store; alone in the job, each process decides for itself."""
+
+    def claim(self, namespace: str, key: str) -> str | None:
+        return claim(namespace, key)
+
+    def agree(self, namespace: str, key: str, choice: str) -> str:
+        return agree(namespace, key, choice)

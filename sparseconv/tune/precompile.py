@@ -17,6 +17,8 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from ..backends import compiling, registry
 from ..backends.compiling import MapShape
 from ..backends.problem import ConvProblem
@@ -87,6 +89,15 @@ class ChoiceCompiles:
         else:
             self._waiting.pop(memo, None)
         return bool(waiting)
+
+    def defer(self, memo: tuple, namespace: str, problem: ConvProblem, candidates: Sequence[Candidate],
+              a: torch.Tensor, kernel_map: KernelMap, deterministic: bool) -> bool:
+        """Whether this call runs the reference while the kernels of ``candidates`` (a decided choice, or
+        those a sweep is about to time) compile in worker processes, queued by the first such call: on a
+        GPU, unless deterministic (which kernel runs would depend on compile times), tracing or capturing a
+        CUDA graph (the reference would be recorded), or switched off (:func:`compiling.in_background`)."""
+        return compiling.in_background(a, deterministic) and self.queue(memo, namespace, problem, candidates,
+                                                                       kernel_map)
 
     def pending(self, memo: tuple) -> bool:
         """Whether a compile that ``memo`` waits for is still queued or running."""

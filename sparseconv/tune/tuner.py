@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -26,7 +26,8 @@ from ..backends.problem import ConvProblem, layer_problem
 from . import faults, prior
 from .cache import TuneCache
 from .configs import Candidate
-from .distributed import agree, claim
+from .distributed import Ranks
+from .evidence import Evidence, cost, pick
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
 from .precompile import ChoiceCompiles
@@ -36,8 +37,6 @@ from .timing import CLOSE
 logger = logging.getLogger("sparseconv.tune")
 
 
-_NO_CALLS: dict = {}
-"""The prepared calls of a product run without a map use (never written: nothing is kept)."""
 AHEAD = "AB_gather_scatter"
 """The product a new batch's map plan prepares ahead (:meth:`Tuner.prepare_ahead`): the forward's, whose views
 the plan builds; a backward product's views (dgrad plans, pair lists) made then would sit through the forward
@@ -47,12 +46,16 @@ pass's memory peak."""
 class Tuner:
     """Chooses, runs and remembers algorithms; one per process (see :func:`sparseconv.tune.get_tuner`)."""
 
-    def __init__(self, cache: TuneCache | None = None) -> None:
+    def __init__(self, cache: TuneCache | None = None, compiles: ChoiceCompiles | None = None,
+                 ranks: Ranks | None = None) -> None:
+        """``cache``: the tuning cache (the user's file, opened on first use); ``compiles``: the background
+        compiles of decided choices and small sweeps; ``ranks``: the agreement with the job's other ranks."""
         self._cache = cache
         self._choices: dict[tuple, tuple[Candidate, registry.Backend]] = {}
         self._lock = threading.Lock()
         self._reported: set[str] = set()  # candidates whose failure was logged as a warning
-        self._compiles = ChoiceCompiles()  # no worker until a first choice compiles there
+        self._compiles = compiles or ChoiceCompiles()  # no worker until a first choice compiles there
+        self._ranks = ranks or Ranks()
 
     @property
     def cache(self) -> TuneCache:
@@ -80,33 +83,48 @@ class Tuner:
         choosing and running through the backend's lookups). Without a ``use`` nothing is kept."""
         settings = config.product_settings(namespace)
         memo = (namespace, problem, pin, settings)
-        calls = _NO_CALLS if use is None else use.calls
-        held = calls.get(memo)
-        if held is not None and held[0] is self and _current(held[1]):
-            if record is not None:
-                record[namespace] = held[1][0].id
-            try:
-                return held[2](a.contiguous(), b.contiguous())
-            except Exception:  # noqa: BLE001 - through the backend again, and its fallback if it fails there
-                calls.pop(memo, None)
+        out = None if use is None else self._run_held(use, memo, a, b, record)
+        if out is not None:
+            return out
         candidate, backend, settled = self._choose(namespace, problem, pin, a, b, kernel_map, settings)
         if record is not None:
             record[namespace] = candidate.id
         if settled and backend.prepare is not None:
-            # Prepared first and then called (not run, then prepared from the views run built): a new
-            # batch's first call of each layer on each map comes here (74 of 125 a MinkUNet step).
-            try:
-                call = backend.prepare(namespace, problem, candidate.params_dict, kernel_map)
-                out = call(a.contiguous(), b.contiguous())
-            except Exception:  # noqa: BLE001 - through the backend again, and its fallback if it fails there
-                pass
-            else:
-                if use is not None:
-                    calls[memo] = (self, (candidate, backend), call)
-                    if namespace == AHEAD:
-                        use.note_call((namespace, pin, problem.layer))  # the next batch's map has it prepared ahead
+            out = self._run_prepared(memo, candidate, backend, a, b, kernel_map, use)
+            if out is not None:
                 return out
         return _execute(namespace, problem, candidate, backend, a, b, kernel_map)
+
+    def _run_held(self, use: MapUse, memo: tuple, a: torch.Tensor, b: torch.Tensor,
+                  record: dict[str, str] | None) -> torch.Tensor | None:
+        """The product by the call prepared in ``use`` under ``memo``, or None if there is none (or it failed)."""
+        held = use.calls.get(memo)
+        if held is None or held[0] is not self or not _current(held[1]):
+            return None
+        if record is not None:
+            record[memo[0]] = held[1][0].id
+        try:
+            return held[2](a.contiguous(), b.contiguous())
+        except Exception:  # noqa: BLE001 - through the backend again, and its fallback if it fails there
+            use.calls.pop(memo, None)
+            return None
+
+    def _run_prepared(self, memo: tuple, candidate: Candidate, backend: registry.Backend, a: torch.Tensor,
+                      b: torch.Tensor, kernel_map: KernelMap, use: MapUse | None) -> torch.Tensor | None:
+        """The product of a settled choice, prepared first and then called (not run, then prepared from the views
+        run built: a new batch's first call of each layer on each map comes here, 74 of 125 a MinkUNet step), the
+        call kept in ``use``; None if preparing or calling failed."""
+        namespace, problem, pin, _ = memo
+        try:
+            call = backend.prepare(namespace, problem, candidate.params_dict, kernel_map)
+            out = call(a.contiguous(), b.contiguous())
+        except Exception:  # noqa: BLE001 - through the backend again, and its fallback if it fails there
+            return None
+        if use is not None:
+            use.calls[memo] = (self, (candidate, backend), call)
+            if namespace == AHEAD:
+                use.note_call((namespace, pin, problem.layer))  # the next batch's map has it prepared ahead
+        return out
 
     def choose(
         self,
@@ -133,7 +151,7 @@ class Tuner:
         deterministic = settings[1]
         choice = self._choices.get(memo)
         if choice is None or not _current(choice):
-            if self._compiling_for(memo) and compiling.on_gpu_eagerly(a):  # compiling: the reference runs meanwhile
+            if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):  # compiling: the reference runs meanwhile
                 return _REFERENCE, registry.get(FALLBACK), False
             with self._lock:
                 choice = self._choices.get(memo)
@@ -146,8 +164,8 @@ class Tuner:
                                                            memo)
                     if isinstance(candidate, _Provisional):
                         return candidate.candidate, registry.get(candidate.candidate.backend), False
-                    if not compiled and self._compile_later(memo, namespace, problem, [candidate], a, kernel_map,
-                                                            deterministic):
+                    if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
+                                                             deterministic):
                         return _REFERENCE, registry.get(FALLBACK), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
         return (*choice, True)
@@ -202,21 +220,8 @@ class Tuner:
         except Exception:  # noqa: BLE001 - never costs the batch its plan: the layer's call prepares it
             return
 
-    def _compile_later(self, memo: tuple, namespace: str, problem: ConvProblem, candidates: list[Candidate],
-                       a: torch.Tensor, kernel_map: KernelMap, deterministic: bool) -> bool:
-        """Whether this call runs the reference while the kernels of ``candidates`` (a decided choice,
-        or those a sweep is about to time) compile in worker processes, queued by the first such
-        call: on a GPU, unless deterministic (which kernel runs would depend on compile times),
-        tracing or capturing a CUDA graph (the reference would be recorded), or switched off."""
-        return compiling.in_background(a, deterministic) and self._compiles.queue(memo, namespace, problem, candidates,
-                                                                         kernel_map)
-
-    def _compiling_for(self, memo: tuple) -> bool:
-        """Whether a background compile that ``memo``'s choice or sweep waits for is still running."""
-        return self._compiles.pending(memo)
-
     def wait_for_compiles(self, timeout: float | None = None) -> bool:
-        """Wait for the background compiles queued so far (see :meth:`_compile_later`); False if
+        """Wait for the background compiles queued so far (:meth:`ChoiceCompiles.defer`); False if
         ``timeout`` seconds passed first. The next call of each such layer then runs its choice."""
         return self._compiles.background.wait(timeout)
 
@@ -225,87 +230,102 @@ class Tuner:
         compiling in the background and have not run them since (0: none; see :meth:`wait_for_compiles`)."""
         return self._compiles.background.queued()
 
-    def _decide(
-        self,
-        namespace: str,
-        key: TuneKey,
-        problem: ConvProblem,
-        mode: AlgoMode,
-        effort: str,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        kernel_map: KernelMap,
-        memo: tuple = (),
-    ) -> tuple[Candidate | _Provisional, bool]:
+    def _decide(self, namespace: str, key: TuneKey, problem: ConvProblem, mode: AlgoMode, effort: str,
+                a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, memo: tuple = ()
+                ) -> tuple[Candidate | _Provisional, bool]:
         """(the choice, whether its kernels must compile in the call: not both decided by an earlier
         passing timing on this device and left uncompiled by this call's sweep)."""
         pool = candidate_pool(namespace, problem, mode, effort, key.deterministic) or [Candidate(FALLBACK)]
         if len(pool) == 1:
             return pool[0], True  # one candidate (the reference alone, or a listed backend's one set): nothing to time
         encoded = key.encode()
-        entry = self.cache.get(namespace, encoded) or {"timings": {}, "evidence": 0}
-        timings: dict[str, dict] = dict(entry.get("timings", {}))
-
-        def current(c: Candidate) -> dict | None:
-            timing = timings.get(c.id)
-            return timing if timing is not None and timing.get("version") == registry.get(c.backend).version else None
-
+        evidence = Evidence.read(self.cache, namespace, encoded)
+        missing = self._to_time(namespace, key, pool, effort, evidence)
         fresh: list[Candidate] = []
-        passed = lambda: any((current(c) or {}).get("verdict") == "ok" for c in pool)  # noqa: E731
-        if effort != "none":
-            missing = [c for c in pool if current(c) is None]
-            stale = [c for c in missing if c.id in timings]  # timed, by another version of its backend
-            if missing and not stale and effort == "quick" and passed():
-                # A recorded decision (this cache's or the shipped one's) stands under quick while its
-                # backends are unchanged: only candidates the cost model knows nothing of are timed,
-                # not the picks of a model refitted on more data since.
-                missing = prior.unknown(self.cache, namespace, key, missing)
-            if missing:
-                other = claim(namespace, encoded)
-                if other:
-                    # Another rank has published its choice: it passed there, so its kernels may
-                    # compile in the background (the reference runs meanwhile), as a cached choice's.
-                    return _adopt(other, pool, pool[0]), False
-                if other is not None:
-                    # Another rank is timing this key; never wait on it. Until it publishes: the
-                    # reference where kernels compile in the background, else the pool's first. (The
-                    # pool's first compiled in the call on a GPU: a compile per key that a DDP step
-                    # waited for, 74 s against 7.8 s for a first MinkUNet step on one GPU, two H100s,
-                    # 2026-11-25.)
-                    return _Provisional(_REFERENCE if compiling.in_background(a, key.deterministic) else pool[0]), True
-                refuse_tuning_in_trace(namespace, encoded, a)
-            # The cost model's top picks first (effort quick), the rest only if none of them passed.
-            for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
-                if len(batch) <= SWEEP_IN_BACKGROUND and self._compile_later(memo, namespace, problem, batch, a,
-                                                                             kernel_map, key.deterministic):
-                    # Timed once compiled (a later call); the reference runs meanwhile. The claim
-                    # stays ours: other ranks run the pool's first until the choice is published.
-                    return _Provisional(_REFERENCE), True
-                done = dict(timings)
-                timings.update(compile_and_sweep(
-                    namespace, problem, batch, a, b, kernel_map, self.cache, self._reported,
-                    store=lambda results, done=done: self._store(namespace, encoded, {**done, **results})))
-                fresh += batch
-        ok = sorted((c for c in pool if (current(c) or {}).get("verdict") == "ok"), key=lambda c: cost(timings[c.id]))
-        if ok and len(ok) > 1 and fresh:
+        if missing:
+            elsewhere = self._timed_elsewhere(namespace, encoded, pool, a, key.deterministic)
+            if elsewhere is not None:
+                return elsewhere
+            refuse_tuning_in_trace(namespace, encoded, a)
+            fresh = self._sweep(namespace, key, problem, pool, missing, effort, evidence, a, b, kernel_map, memo)
+            if fresh is None:
+                # Timed once compiled (a later call); the reference runs meanwhile. The claim stays ours:
+                # other ranks run the pool's first until the choice is published.
+                return _Provisional(_REFERENCE), True
+        choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
+        choice = _adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
+        if fresh:
+            self._store(namespace, encoded, evidence.timings)
+        _log_sweep(namespace, encoded, pool, evidence.timings, choice, fresh)
+        # Its compile may wait for the background only if it compiled and passed on this device
+        # before (this process compiled the ones it timed just now).
+        return choice, choice in fresh or not evidence.passed(choice)
+
+    def _to_time(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence
+                 ) -> list[Candidate]:
+        """The candidates of ``pool`` to time for this key (none under effort ``none``)."""
+        if effort == "none":
+            return []
+        missing = evidence.untimed(pool)
+        if missing and not evidence.stale(missing) and effort == "quick" and evidence.any_passed(pool):
+            # A recorded decision (this cache's or the shipped one's) stands under quick while its
+            # backends are unchanged: only candidates the cost model knows nothing of are timed,
+            # not the picks of a model refitted on more data since.
+            missing = prior.unknown(self.cache, namespace, key, missing)
+        return missing
+
+    def _timed_elsewhere(self, namespace: str, encoded: str, pool: list[Candidate], a: torch.Tensor,
+                         deterministic: bool) -> tuple[Candidate | _Provisional, bool] | None:
+        """What runs if another rank times this key (:meth:`Ranks.claim`), else None (this process times it)."""
+        other = self._ranks.claim(namespace, encoded)
+        if other:
+            # Another rank has published its choice: it passed there, so its kernels may compile in the
+            # background (the reference runs meanwhile), as a cached choice's.
+            return _adopt(other, pool, pool[0]), False
+        if other is not None:
+            # Another rank is timing this key; never wait on it. Until it publishes: the reference where
+            # kernels compile in the background, else the pool's first. (The pool's first compiled in the
+            # call on a GPU: a compile per key that a DDP step waited for, 74 s against 7.8 s for a first
+            # MinkUNet step on one GPU, two H100s, 2026-11-25.)
+            return _Provisional(_REFERENCE if compiling.in_background(a, deterministic) else pool[0]), True
+        return None
+
+    def _sweep(self, namespace: str, key: TuneKey, problem: ConvProblem, pool: list[Candidate],
+               missing: list[Candidate], effort: str, evidence: Evidence, a: torch.Tensor, b: torch.Tensor,
+               kernel_map: KernelMap, memo: tuple) -> list[Candidate] | None:
+        """Time ``missing`` into ``evidence``: the cost model's top picks first (effort quick), the rest only
+        if none of them passed. Returns the candidates timed, or None where a round's kernels compile in
+        the background first (:meth:`ChoiceCompiles.defer`)."""
+        encoded, fresh = key.encode(), []
+        passed = lambda: evidence.any_passed(pool)  # noqa: E731
+        for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
+            if len(batch) <= SWEEP_IN_BACKGROUND and self._compiles.defer(memo, namespace, problem, batch, a,
+                                                                          kernel_map, key.deterministic):
+                return None
+            done = dict(evidence.timings)
+            evidence.timings.update(compile_and_sweep(
+                namespace, problem, batch, a, b, kernel_map, self.cache, self._reported,
+                store=lambda results, done=done: self._store(namespace, encoded, {**done, **results})))
+            fresh += batch
+        return fresh
+
+    def _winner(self, namespace: str, key: TuneKey, problem: ConvProblem, pool: list[Candidate], effort: str,
+                evidence: Evidence, fresh: list[Candidate], a: torch.Tensor, b: torch.Tensor,
+                kernel_map: KernelMap) -> Candidate:
+        """The pick among the passing candidates (close finishers timed just now re-timed interleaved first);
+        the cost model's first under effort ``none``; else the reference."""
+        ok, timings = evidence.passing(pool), evidence.timings
+        if len(ok) > 1 and fresh:
             close = [c for c in ok if cost(timings[c.id]) <= cost(timings[ok[0].id]) * (1 + CLOSE)]
             if len(close) > 1 and any(c in fresh for c in close):
                 retime(namespace, problem, close, timings, a, b, kernel_map)
         if ok:
             winner = pick(timings, [c.id for c in ok])
-            choice = next(c for c in ok if c.id == winner)
-        elif effort == "none":
-            choice = prior.ranked(self.cache, namespace, key, pool)[0]
-        else:
-            logger.warning("sparseconv: no candidate passed for %s %s; running %s", namespace, encoded, FALLBACK)
-            choice = Candidate(FALLBACK)
-        choice = _adopt(agree(namespace, encoded, choice.id), pool, choice)
-        if fresh:
-            self._store(namespace, encoded, timings)
-        _log_sweep(namespace, encoded, pool, timings, choice, fresh)
-        # Its compile may wait for the background only if it compiled and passed on this device
-        # before (this process compiled the ones it timed just now).
-        return choice, choice in fresh or (current(choice) or {}).get("verdict") != "ok"
+            return next(c for c in ok if c.id == winner)
+        if effort == "none":
+            return prior.ranked(self.cache, namespace, key, pool)[0]
+        logger.warning("sparseconv: no candidate passed for %s %s; running %s", namespace, key.encode(), FALLBACK)
+        return Candidate(FALLBACK)
 
     def choices(self) -> list[tuple[str, str, str]]:
         """(namespace, key, candidate id) of every choice this process has settled on, sorted."""
@@ -343,21 +363,6 @@ def refuse_tuning_in_trace(namespace: str, encoded: str, a: torch.Tensor) -> Non
     )
 
 
-def cost(timing: Mapping) -> float:
-    """Milliseconds a call of a timed candidate costs where calls follow each other: its GPU time
-    or the host time of issuing it, whichever is longer (a small layer's calls are host-bound)."""
-    return max(timing["ms"], timing.get("host_ms") or 0.0)
-
-
-def pick(timings: Mapping[str, Mapping], ids: list[str]) -> str:
-    """The winner among the timed ``ids``: of those within CLOSE of the least :func:`cost`, the one
-    with the least host time a call (entries stored before host times were kept count as costing
-    the most), then the fastest."""
-    cheapest = min(cost(timings[i]) for i in ids)
-    close = [i for i in ids if cost(timings[i]) <= cheapest * (1 + CLOSE)]
-    return min(close, key=lambda i: (timings[i].get("host_ms", float("inf")), timings[i]["ms"]))
-
-
 SWEEP_IN_BACKGROUND = prior.QUICK_TOP
 """A sweep of at most this many candidates (the cost model's picks) compiles in the background; a
 larger one (no model yet: the whole pool) compiles in the call. Measured on an H100 (street1
@@ -367,7 +372,7 @@ for over 40 s, while compiling in the call took 49 s and then ran tuned: fewer s
 the first minutes. With the cost model's three picks, the jobs are few and the wait short."""
 
 _REFERENCE = Candidate(FALLBACK)
-"""What runs while a choice's kernels compile in the background (see :meth:`Tuner._compile_later`)."""
+"""What runs while a choice's kernels compile in the background (:meth:`ChoiceCompiles.defer`)."""
 
 
 class _Provisional(NamedTuple):

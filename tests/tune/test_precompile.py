@@ -321,13 +321,13 @@ def test_a_rank_beside_one_timing_a_key_runs_the_reference_then_compiles_the_pub
     import background_fakes
 
     from sparseconv.backends import compiling
-    from sparseconv.tune import tuner
+    from sparseconv.tune import distributed
 
     monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)  # the CPU stands in for a GPU here
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
     published = {FWD: ""}  # "": claimed by another rank, not published yet
-    monkeypatch.setattr(tuner, "claim", lambda namespace, key: published.get(namespace))
+    monkeypatch.setattr(distributed, "claim", lambda namespace, key: published.get(namespace))
     calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=200)
     weight = torch.randn(27, 4, 5, dtype=torch.float32)
