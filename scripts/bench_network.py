@@ -96,19 +96,19 @@ def peak_gb(fn, device: torch.device, runner: Runner | None = None) -> float | s
 def warp_launches(fn) -> int:
     """Warp kernel launches (hash-table inserts and queries) of one call of ``fn``."""
     # Internal on purpose: the column counts the hash table's launches, which no public API reports.
-    from sparseconv.coords import hashing
+    from sparseconv.coords import warp_launch
 
-    launch, count = hashing._launch, [0]
+    launch, count = warp_launch.launch, [0]
 
     def counting(*args):
         count[0] += 1
         return launch(*args)
 
-    hashing._launch = counting
+    warp_launch.launch = counting
     try:
         fn()
     finally:
-        hashing._launch = launch
+        warp_launch.launch = launch
     return count[0]
 
 

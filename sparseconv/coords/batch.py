@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from .kernel_map import KernelMap, KernelMapKey, MapKernels
-
-if TYPE_CHECKING:
-    from .plan import Record
-    from .prebuild import MapSpec
 
 ViewBuilder = Callable[[list[tuple[KernelMap, list[Hashable]]]], None]
 """builder([(map, keys of the views its counterpart in the last batches used)]): builds those of the views it
@@ -63,7 +59,7 @@ class MapUse:
         # prepared products (GPU memory) until a full garbage collection, batch after batch.
         self.map, self._batch = kernel_map, weakref.ref(batch)
         self.calls: dict[Hashable, object] = {}
-        self.spec: MapSpec | None = None
+        self.spec: Hashable | None = None  # (a MapSpec: the plan sits above this module)
         self.adjoint = False
         self.uses: list[int] | None = None
         self.recipes: dict[Hashable, None] | None = None
@@ -117,7 +113,7 @@ class Batch:
 
     def __init__(self) -> None:
         self.builders = Builders()
-        self.record: Record | None = None
+        self.record = None  # (a plan.Record: the plan sits above this module)
         self.planned: dict[KernelMapKey, tuple[KernelMap, int]] = {}
         self.uses: dict[int, MapUse] = {}
         """By the map's id: a use holds its map, so no other map takes the id while the batch lives."""

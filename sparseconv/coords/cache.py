@@ -13,7 +13,6 @@ import functools
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -22,15 +21,7 @@ from .batch import Batch, Builders
 from .hashing import CoordHashTable, floor_sets, generate_set
 from .keys import COORD_MAX, COORD_MIN, floor_masks, floors_by_mask, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
-
-
-@dataclass(frozen=True)
-class CoordSet:
-    """coords: (N, 4) int32 [batch, x, y, z], unique rows, multiples of ``stride`` per axis."""
-
-    coords: torch.Tensor
-    stride: Triple
-    canonical: bool
+from .sets import CoordSet
 
 
 class CoordinateCache:

@@ -24,11 +24,10 @@ from .batch import MapUse
 from .host_copy import HostCopy
 from .kernel_map import KernelMap, KernelMapKey, Triple
 from .prebuild import MapSpec, copy_pair_counts
+from .sets import CoordinateSets
 
 if TYPE_CHECKING:
     import torch
-
-    from .cache import CoordinateCache
 
 HISTORY = 2
 """Batches whose requests make the plan: a tensor built for something else between two batches
@@ -75,11 +74,11 @@ class Record:
         """The last batch's :attr:`counts`."""
         self.keep_tables: set[Triple] = set()
         """Strides whose hash tables a query after the plan needed (here or in the last batches): the
-        cache keeps them when it drops the others (:meth:`CoordinateCache._drop_tables`)."""
+        cache keeps them when it drops the others (:meth:`~.cache.CoordinateCache._drop_tables`)."""
         with _lock:
             _history.setdefault(signature, collections.deque(maxlen=HISTORY)).append(self)
 
-    def note(self, cache: CoordinateCache, key: KernelMapKey, kernel_map: KernelMap, use: MapUse) -> None:
+    def note(self, cache: CoordinateSets, key: KernelMapKey, kernel_map: KernelMap, use: MapUse) -> None:
         """Record the batch's first request of ``key`` (its map ``kernel_map``, with its ``use`` in the batch):
         its spec, and the cells that count its products and keep the views and products its layers use."""
         spec = spec_of(cache, key)
@@ -188,7 +187,7 @@ def _replay(kernel_map: KernelMap) -> None:
         kernel_map.on_view(key)
 
 
-def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[KernelMap, int]]]:
+def begin(cache: CoordinateSets) -> tuple[Record, dict[KernelMapKey, tuple[KernelMap, int]]]:
     """At a cache's first map request: its record, and the maps of the plan built at once (none if
     the cache holds more than its input set, or SPARSECONV_PLAN_MAPS=0)."""
     first = cache.coord_set(0)
@@ -232,7 +231,7 @@ def begin(cache: CoordinateCache) -> tuple[Record, dict[KernelMapKey, tuple[Kern
         return record, {}
 
 
-def spec_of(cache: CoordinateCache, key: KernelMapKey) -> MapSpec | None:
+def spec_of(cache: CoordinateSets, key: KernelMapKey) -> MapSpec | None:
     """The plannable description of ``key``, or None: transposed maps are adjoints of strided ones; a set
     neither canonical nor generated from one depends on more than the input, and so does the output of a
     strided, not generative map from a generated set."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -24,9 +24,7 @@ from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_sets,
 from .keys import floor_masks, floors_by_mask
 from .host_copy import HostCopy
 from .kernel_map import KernelMap, KernelMapKey, Triple, count_pairs, offset_deltas
-
-if TYPE_CHECKING:
-    from .cache import CoordinateCache
+from .sets import CoordinateSets
 
 ALIGN = 16
 """Neighbour tables of one launch start at multiples of this many entries (64 bytes): Triton
@@ -64,7 +62,7 @@ class MapSpec(NamedTuple):
         return (*(self.origin or (self.source_stride,)), (self.kernel_size, self.stride, self.dilation))
 
 
-def build(cache: CoordinateCache, plan: list[MapSpec],
+def build(cache: CoordinateSets, plan: list[MapSpec],
           views: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None,
           calls: dict[tuple[MapSpec, bool], dict[Hashable, None]] | None = None
           ) -> dict[KernelMapKey, tuple[KernelMap, int]]:
@@ -134,7 +132,7 @@ class Levels(NamedTuple):
     table: CoordHashTable
 
 
-def _add_levels(cache: CoordinateCache, strides: list[Triple]) -> Levels:
+def _add_levels(cache: CoordinateSets, strides: list[Triple]) -> Levels:
     """Register the canonical sets at ``strides`` (floors of the input set), with their tables."""
     sets = floor_sets(cache.keys(0), floor_masks(tuple(strides), cache.device))
     # Each array split at once (one torch op each, where a slice a set and array took four a level)
@@ -145,7 +143,7 @@ def _add_levels(cache: CoordinateCache, strides: list[Triple]) -> Levels:
     return Levels(sets.coords, sets.table)
 
 
-def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int], base: Triple, levels: Levels | None
+def _query(cache: CoordinateSets, specs: list[MapSpec], ids: dict[Triple, int], base: Triple, levels: Levels | None
            ) -> dict[KernelMapKey, tuple[KernelMap, int]]:
     """The neighbour tables of ``specs`` in one launch on a GPU: their output sets are row slices of
     the input set's coordinates or of the coarse sets' (``levels``), their source tables slices of the
@@ -207,7 +205,7 @@ def _query(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
     return built
 
 
-def _generated_maps(cache: CoordinateCache, specs: list[MapSpec], ids: dict[Triple, int],
+def _generated_maps(cache: CoordinateSets, specs: list[MapSpec], ids: dict[Triple, int],
                     keys: dict[MapSpec, KernelMapKey]) -> dict[KernelMapKey, tuple[KernelMap, int]]:
     """The maps of ``specs`` that read or make generated sets (a detection backbone's: its strided convs
     generative, its blocks on their sets), as the layers' own builds make them, the sets before the maps
@@ -250,7 +248,7 @@ def _aligned(entries: int) -> int:
     return -(-entries // ALIGN) * ALIGN
 
 
-def _rows_in(cache: CoordinateCache, ids: dict[Triple, int], spec: MapSpec) -> int:
+def _rows_in(cache: CoordinateSets, ids: dict[Triple, int], spec: MapSpec) -> int:
     return cache.coord_set(ids[spec.source_stride]).coords.shape[0]
 
 

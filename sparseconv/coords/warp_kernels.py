@@ -10,7 +10,7 @@ from .keys import BATCH_MAX, COORD_BITS, COORD_MIN
 
 
 def define() -> SimpleNamespace:
-    """Import warp and define the kernels (once, through :func:`sparseconv.coords.hashing._kernels`)."""
+    """Import warp and define the kernels (once, through :func:`sparseconv.coords.warp_launch.kernels`)."""
     import warp as wp
 
     wp.config.log_level = wp.LOG_WARNING

@@ -5,11 +5,13 @@ failure is one log line, never fatal), and re-time close finishers interleaved. 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 
+from .. import config
 from ..backends import registry
 from ..backends.problem import ConvProblem
 from ..precision import accumulator_dtype
@@ -126,3 +128,31 @@ def retime(namespace, problem, candidates: list[Candidate], timings: dict, a, b,
     ]
     for candidate, (ms, samples) in zip(candidates, Timer(a.device).interleaved(calls)):
         timings[candidate.id] = {**timings[candidate.id], "ms": ms, "samples": timings[candidate.id]["samples"] + samples}
+
+
+def log_sweep(namespace: str, encoded: str, pool, timings: dict, choice: Candidate, fresh) -> None:
+    """Log a decision's table of candidates (SPARSECONV_AUTOTUNE_LOG=1): each one's times and verdict, the winner."""
+    if not config.autotune_log():
+        return
+    _ensure_handler()
+    rows = [f"{'candidate':<40} {'median ms':>10} {'host ms':>8}  verdict"]
+    for c in pool:
+        t = timings.get(c.id, {})
+        ms = f"{t['ms']:.3f}" if t.get("ms") is not None else "-"
+        host = f"{t['host_ms']:.3f}" if t.get("host_ms") is not None else "-"
+        verdict = t.get("verdict", "not timed") + (f" ({t['reason']})" if t.get("reason") else "")
+        cached = c not in fresh and c.id in timings  # one the cost model left out reads "not timed" alone
+        rows.append(f"{c.id:<40} {ms:>10} {host:>8}  {verdict}{' [cached]' if cached else ''}")
+    logger.info("sparseconv autotune %s %s\n%s\nwinner: %s", namespace, encoded, "\n".join(rows), choice.id)
+
+
+def _ensure_handler() -> None:
+    # SPARSECONV_AUTOTUNE_LOG=1 is a request to see the sweeps: show them even if the
+    # application configured no logging, without duplicating a handler it did configure.
+    root = logging.getLogger("sparseconv")
+    if not root.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)

@@ -10,7 +10,6 @@ the other ranks, remembers the choice for the process and stores every timing.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ from .evidence import Evidence, cost, pick
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
 from .precompile import ChoiceCompiles
-from .sweep import compile_and_sweep, retime
+from .sweep import compile_and_sweep, log_sweep, retime
 from .timing import CLOSE
 
 logger = logging.getLogger("sparseconv.tune")
@@ -256,7 +255,7 @@ class Tuner:
         choice = _adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
         if fresh:
             self._store(namespace, encoded, evidence.timings)
-        _log_sweep(namespace, encoded, pool, evidence.timings, choice, fresh)
+        log_sweep(namespace, encoded, pool, evidence.timings, choice, fresh)
         # Its compile may wait for the background only if it compiled and passed on this device
         # before (this process compiled the ones it timed just now).
         return choice, choice in fresh or not evidence.passed(choice)
@@ -425,30 +424,3 @@ def _execute(
             raise faults.poisoned(namespace, candidate.id, error, broken, recorded=False) from error
         logger.warning("sparseconv: %s failed for %s (%s); running %s", candidate.id, namespace, error, FALLBACK)
         return registry.get(FALLBACK).run(namespace, problem, {}, a, b, kernel_map)
-
-
-def _log_sweep(namespace: str, encoded: str, pool, timings: dict, choice: Candidate, fresh) -> None:
-    if not config.autotune_log():
-        return
-    _ensure_handler()
-    rows = [f"{'candidate':<40} {'median ms':>10} {'host ms':>8}  verdict"]
-    for c in pool:
-        t = timings.get(c.id, {})
-        ms = f"{t['ms']:.3f}" if t.get("ms") is not None else "-"
-        host = f"{t['host_ms']:.3f}" if t.get("host_ms") is not None else "-"
-        verdict = t.get("verdict", "not timed") + (f" ({t['reason']})" if t.get("reason") else "")
-        cached = c not in fresh and c.id in timings  # one the cost model left out reads "not timed" alone
-        rows.append(f"{c.id:<40} {ms:>10} {host:>8}  {verdict}{' [cached]' if cached else ''}")
-    logger.info("sparseconv autotune %s %s\n%s\nwinner: %s", namespace, encoded, "\n".join(rows), choice.id)
-
-
-def _ensure_handler() -> None:
-    # SPARSECONV_AUTOTUNE_LOG=1 is a request to see the sweeps: show them even if the
-    # application configured no logging, without duplicating a handler it did configure.
-    root = logging.getLogger("sparseconv")
-    if not root.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)

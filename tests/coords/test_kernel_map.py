@@ -160,10 +160,10 @@ def test_floor_sets_list_each_cell_once_in_first_row_order_with_tables_that_find
 @pytest.mark.parametrize("device", DEVICES)
 def test_replayed_warp_launches_find_what_warps_own_setters_find(device, monkeypatch):
     # After a kernel's first launch, later ones write their bounds and arguments into the recorded
-    # command's own structures (hashing._Replay). With this Warp the writes must take (bytes equal to
+    # command's own structures (warp_launch._Replay). With this Warp the writes must take (bytes equal to
     # Warp's packing) and give, launch after launch of other sizes, what a replay through Warp's
     # setters gives.
-    from sparseconv.coords import hashing
+    from sparseconv.coords import warp_launch
 
     def lookups(rows_count: int, probes: int):
         rows = torch.randint(0, 40, (rows_count, 4), dtype=torch.int32).unique(dim=0).to(device)
@@ -172,15 +172,15 @@ def test_replayed_warp_launches_find_what_warps_own_setters_find(device, monkeyp
 
     torch.manual_seed(0)
     sizes = [(500, 3), (3000, 2), (50, 3), (1200, 1)]
-    monkeypatch.setattr(hashing._RECORDED, "commands", {}, raising=False)  # this thread's, recorded anew
+    monkeypatch.setattr(warp_launch._RECORDED, "commands", {}, raising=False)  # this thread's, recorded anew
     lookups(10, 3)
-    replays = list(hashing._RECORDED.commands.values())
+    replays = list(warp_launch._RECORDED.commands.values())
     assert len(replays) == 2 and all(r.packers is not None and r.kernel_dim for r in replays), "in place with this Warp"
     torch.manual_seed(1)
     fast = [lookups(n, probes).cpu() for n, probes in sizes]
     # Recorded again, replayed through Warp's set_dim / set_param_at_index_from_ctype
-    monkeypatch.setattr(hashing._RECORDED, "commands", {})
-    monkeypatch.setattr(hashing._Replay, "of", classmethod(lambda cls, command, inputs, dim: cls(command, None, None)))
+    monkeypatch.setattr(warp_launch._RECORDED, "commands", {})
+    monkeypatch.setattr(warp_launch._Replay, "of", classmethod(lambda cls, command, inputs, dim: cls(command, None, None)))
     torch.manual_seed(1)
     slow = [lookups(n, probes).cpu() for n, probes in sizes]
     for got, want in zip(fast, slow):
@@ -192,16 +192,16 @@ def test_a_replays_packer_writes_the_descriptor_warps_packing_writes():
     # A replay rewrites only a descriptor's pointer, shape and strides over the recording's bytes: for
     # tensors of the recording's rank and dtype (contiguous, sliced, transposed), the bytes must be the
     # whole packing's (a descriptor of the same length, recorded from another tensor).
-    from sparseconv.coords import hashing
+    from sparseconv.coords import warp_launch
 
     base = torch.arange(4 * 6 * 5, dtype=torch.int64)
     for recorded, later in [(base[:7], base[3:50:2]), (base.view(24, 5)[:, 1:], base.view(24, 5).t()),
                             (base.view(4, 6, 5), base.view(4, 6, 5)[1:, ::2, 1:]),
                             (base.view(torch.int32).view(40, 6), base.view(torch.int32).view(40, 6)[5:9])]:
-        length = hashing._ARRAY.size + 4  # a parameter structure may be longer than the descriptor
-        buffer = hashing._packed(recorded, length)
-        hashing._packer(memoryview(buffer), later.dim(), later.element_size())(later)
-        assert bytes(buffer) == bytes(hashing._packed(later, length)), (later.shape, later.stride())
+        length = warp_launch._ARRAY.size + 4  # a parameter structure may be longer than the descriptor
+        buffer = warp_launch._packed(recorded, length)
+        warp_launch._packer(memoryview(buffer), later.dim(), later.element_size())(later)
+        assert bytes(buffer) == bytes(warp_launch._packed(later, length)), (later.shape, later.stride())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from sparse_reference import random_coords, relative_error
 
 from sparseconv import SparseTensor
-from sparseconv.coords import KernelMapKey, hashing, host_copy, offset_deltas, plan, prebuild
+from sparseconv.coords import KernelMapKey, hashing, host_copy, offset_deltas, plan, prebuild, warp_launch
 from sparseconv.coords.hashing import CoordHashTable, MapQuery
 from sparseconv.coords.keys import floor_masks, pack_coords
 
@@ -127,8 +127,8 @@ def test_a_planned_batch_builds_its_sets_and_tables_at_once_reading_the_host_onc
     requests(batch(device, 0))
     x = batch(device, 2)
     launches, reads = [], []
-    launch = hashing._launch
-    monkeypatch.setattr(hashing, "_launch", lambda kernel, *args: launches.append(kernel.key) or launch(kernel, *args))
+    launch = warp_launch.launch
+    monkeypatch.setattr(warp_launch, "launch", lambda kernel, *args: launches.append(kernel.key) or launch(kernel, *args))
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist",
                         lambda self: self.device.type == device and reads.append(self.shape) or tolist(self))

@@ -74,17 +74,17 @@ def test_a_tiny_minkunet_learns_to_segment_a_synthetic_room_on_cpu():
 
 
 def test_a_training_pass_queries_each_distinct_map_once_and_the_next_batch_all_at_its_first_conv(monkeypatch):
-    from sparseconv.coords import hashing, prebuild
+    from sparseconv.coords import prebuild, warp_launch
 
     queried = []  # (output rows, kernel volume) of every neighbour query, by launch
-    launch = hashing._launch
+    launch = warp_launch.launch
 
     def counting(kernel, dim, inputs, device):
         if "query" in kernel.key:
             queried.append(dim)
         return launch(kernel, dim, inputs, device)
 
-    monkeypatch.setattr(hashing, "_launch", counting)
+    monkeypatch.setattr(warp_launch, "launch", counting)
     at_prebuild = []
     build = prebuild.build
     monkeypatch.setattr(prebuild, "build", lambda *args: (lambda built: at_prebuild.append(len(queried)) or built)(
