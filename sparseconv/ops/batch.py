@@ -14,6 +14,7 @@ from ..backends import mask_views, planned_views
 from ..coords.batch import Builders, MapUse
 from ..coords.cache import CoordinateCache
 from ..coords.kernel_map import KernelMap, KernelMapKey, MapKernels
+from .dispatch import check_settings
 
 BUILDERS = Builders(
     kernels=MapKernels(pair_lists=mask_views.pair_lists_on_gpu, pair_counts=planned_views.pair_counts_on_gpu),
@@ -27,6 +28,8 @@ BUILDERS = Builders(
 def kernel_map(cache: CoordinateCache, key: KernelMapKey) -> tuple[KernelMap, MapUse, int]:
     """The kernel map of ``key`` in ``cache``'s batch (built with :data:`BUILDERS`), its use in the batch
     (:class:`~sparseconv.coords.batch.MapUse`: what the tuner and the plan keep of it) and the id of its
-    output coordinate set."""
+    output coordinate set. A batch's first request checks every product's settings first (:func:`check_settings`)."""
+    if cache.batch.record is None:
+        check_settings()
     found, out_id = cache.kernel_map(key, BUILDERS)
     return found, cache.batch.use(found), out_id
