@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import fcntl
 import functools
+import glob
 import logging
 import math
 import os
@@ -30,6 +31,9 @@ from .cachefile import CORRUPT, Entries, Key, Unusable, entry_problem, read_entr
 from .merge import merge as _merge
 
 logger = logging.getLogger("sparseconv.tune.cache")
+
+KEPT_CORRUPT = 3
+"""Corrupt cache files moved aside that are kept (the newest): evidence for a bug report, not a pile."""
 
 # Between lock polls: short against a write (a few ms), long enough not to spin a core.
 _LOCK_POLL_S = 0.005
@@ -227,8 +231,26 @@ class TuneCache:
                 aside = self.path.with_name(f"{self.path.name}.{suffix}")
                 os.replace(self.path, aside)
                 fate = f"moved aside to {aside}"
+                if suffix.startswith(CORRUPT):
+                    self._prune_corrupt()
             logger.warning("tune cache %s is unusable (%s); %s, starting fresh", self.path, reason, fate)
             return {}
+
+    def _prune_corrupt(self) -> None:
+        """Keep the newest :data:`KEPT_CORRUPT` corrupt files moved aside (under the lock): a cache corrupted
+        again and again (a disk that fails, a job killed mid-write on a file system without atomic renames)
+        must not fill the directory."""
+        asides = []
+        for aside in self.path.parent.glob(f"{glob.escape(self.path.name)}.{CORRUPT}-*"):
+            try:
+                asides.append((aside.stat().st_mtime, aside.name, aside))
+            except OSError:  # (gone meanwhile)
+                continue
+        for *_, old in sorted(asides)[:-KEPT_CORRUPT]:
+            try:
+                old.unlink()
+            except OSError:  # (another process pruned it, or it cannot be removed: it stays)
+                pass
 
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[bool]:

@@ -230,6 +230,27 @@ def test_unusable_file_warns_is_moved_aside_and_a_fresh_cache_works(cache_path, 
     assert TuneCache(cache_path).get("ns", "fresh") is not None
 
 
+def test_only_the_newest_corrupt_files_moved_aside_are_kept(cache_path, caplog):
+    # A cache corrupted again and again: each is moved aside, and the oldest go, so at most KEPT_CORRUPT stay.
+    from sparseconv.tune.cache import KEPT_CORRUPT
+
+    cache_path.parent.mkdir(parents=True)
+    older = []
+    for age in range(KEPT_CORRUPT + 2):  # earlier corruptions, oldest first
+        old = cache_path.with_name(f"{cache_path.name}.corrupt-2026010{age}T000000-{100 + age}")
+        old.write_bytes(b"old")
+        os.utime(old, (1_000_000 + age, 1_000_000 + age))
+        older.append(old)
+    unrelated = cache_path.with_name("other.msgpack.corrupt-20260101T000000-1")  # another cache's: not ours
+    unrelated.write_bytes(b"other")
+    bad = bytes([0xC1]) + random.Random(1).randbytes(100)
+    cache_path.write_bytes(bad)
+    assert TuneCache(cache_path, flush_interval_s=0).get("ns", "k") is None
+    asides = sorted(cache_path.parent.glob(f"{cache_path.name}.corrupt-*"))
+    assert len(asides) == KEPT_CORRUPT and set(older[-(KEPT_CORRUPT - 1):]) < set(asides)
+    assert [a.read_bytes() for a in asides if a not in older] == [bad] and unrelated.exists()
+
+
 def test_malformed_entries_are_dropped_with_a_warning_and_the_rest_kept(cache_path, caplog):
     cache_path.parent.mkdir(parents=True)
     good = entry(2, tag="good")
