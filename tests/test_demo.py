@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import sparseconv.tune
 from sparseconv.cli.demo import format_report, run_demo
 from sparseconv.metrics import confusion_matrix, iou_per_class
 from sparseconv.viz import save_bev_comparison
@@ -93,10 +94,29 @@ def test_the_tuning_phase_is_shown_with_its_time_and_the_problems_it_timed(monke
     monkeypatch.setattr(timing, "plan_for", lambda device: timing.TimingPlan(0, 1, False, min_repeats=1))
     report = run_demo("room", 1, 0.02, "cpu", 2, 2, progress=True)
     err = capsys.readouterr().err
-    assert "tuning kernels for this CPU (first steps only)..." in err
-    assert report["tuning_steps"] == 2 and report["tuned_problems"] > 0
-    line = f"tuning: the first 2 steps took {sum(report['step_seconds']):.1f} s; {report['tuned_problems']} problems timed"
+    assert "choosing kernels for this CPU in the first 2 steps (timing only problems no tuning cache holds)" in err
+    assert report["tuning_steps"] == 2 and report["tuned_problems"] > 0 and report["tunings_saved"] == "saved"
+    line = (f"tuning: the first 2 steps took {sum(report['step_seconds']):.1f} s; {report['tuned_problems']} problems "
+            f"timed once, cached in {sparseconv.tune.get_tuner().cache.path}")
     assert line in err and line in format_report(report)
+    assert len(sparseconv.tune.get_tuner().cache.path.read_bytes()) > 0  # (it says so because the file has them)
+
+
+def test_a_tuning_cache_that_cannot_be_written_is_said_so_where_the_tuning_is_reported(monkeypatch, capsys,
+                                                                                        tmp_path):
+    from sparseconv.tune import timing
+
+    monkeypatch.setattr(timing, "plan_for", lambda device: timing.TimingPlan(0, 1, False, min_repeats=1))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPARSECONV_CACHE_DIR", str(blocker / "cache"))  # a directory under a file: never made
+    sparseconv.tune.reset()
+    report = run_demo("room", 1, 0.02, "cpu", 2, 2, progress=True)
+    err = capsys.readouterr().err
+    assert report["tuned_problems"] > 0 and report["tunings_saved"] == "unwritable"
+    line = (f"{report['tuned_problems']} problems timed, NOT cached: {blocker / 'cache' / 'autotune.msgpack'} cannot "
+            "be written, so a new process times them again")
+    assert line in err and line in format_report(report) and "cached in" not in err
 
 
 def test_a_run_with_nothing_to_tune_says_so_and_ten_steps_train(no_tuning_sweeps, capsys):

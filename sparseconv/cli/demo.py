@@ -118,7 +118,8 @@ def run_demo(
         tuning_steps = min(steps, TRAIN_BATCHES)
         timed_before, effort = _tuned_count(), config.autotune_effort()
         if bar is not None:
-            bar.write(f"tuning kernels for this {_device_kind(dev)} (first steps only)...", file=sys.stderr)
+            bar.write(f"choosing kernels for this {_device_kind(dev)} in the first {tuning_steps} steps (timing only "
+                      "problems no tuning cache holds)...", file=sys.stderr)
         for step in range(steps):
             x, labels = batches[step % len(batches)]
             _sync(dev)
@@ -132,8 +133,9 @@ def run_demo(
             step_seconds.append(time.perf_counter() - start)
             if step + 1 == tuning_steps:
                 tuned = _tuned_count() - timed_before
+                tunings = _save_tunings() if tuned else None
                 if bar is not None:
-                    bar.write(_tuning_line(sum(step_seconds), tuned, tuning_steps, effort), file=sys.stderr)
+                    bar.write(_tuning_line(sum(step_seconds), tuned, tuning_steps, effort, tunings), file=sys.stderr)
             if bar is not None:
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
                 bar.update()
@@ -173,6 +175,7 @@ def run_demo(
         "step_seconds": step_seconds,
         "tuning_steps": tuning_steps,
         "tuned_problems": tuned,
+        "tunings_saved": tunings,
         "classes": list(classes),
         "iou": iou.tolist(),
         "class_voxels": confusion.sum(1).tolist(),
@@ -197,7 +200,7 @@ def format_report(report: dict) -> str:
         f"({_median(seconds):.3f} s per step; the first took {seconds[0]:.2f} s: Warp JIT, kernel maps, "
         "algorithm choice)",
         _tuning_line(sum(seconds[: report["tuning_steps"]]), report["tuned_problems"], report["tuning_steps"],
-                     report["tuner"]["effort"]),
+                     report["tuner"]["effort"], report["tunings_saved"]),
         "",
         "loss, mean over each tenth of the training:",
         *_loss_table(losses),
@@ -250,11 +253,32 @@ def _device_kind(device: torch.device) -> str:
     return "GPU" if device.type == "cuda" else "CPU"
 
 
-def _tuning_line(seconds: float, tuned: int, tuning_steps: int, effort: str) -> str:
-    """What the tuning phase (the first ``tuning_steps`` steps) cost, and how many problems it timed."""
+def _save_tunings() -> str:
+    """Write the tuning phase's timings to the cache file now; what became of them: ``"saved"`` (in the file),
+    ``"unwritable"`` (the file cannot be written: they stay in this process's memory) or ``"busy"`` (another
+    process holds the file's lock: written at exit)."""
+    from ..tune import get_tuner
+
+    cache = get_tuner().cache
+    if cache.flush(force=True):
+        return "saved"
+    return "unwritable" if cache.unwritable else "busy"
+
+
+def _tuning_line(seconds: float, tuned: int, tuning_steps: int, effort: str, saved: str | None = None) -> str:
+    """What the tuning phase (the first ``tuning_steps`` steps) cost, how many problems it timed, and whether
+    their timings reached the cache file (``saved``: :func:`_save_tunings`)."""
+    from ..tune import get_tuner
+
     head = f"tuning: the first {tuning_steps} step{'s' if tuning_steps > 1 else ''} took {seconds:.1f} s"
     if tuned:
-        return f"{head}; {tuned} problems timed once, then cached"
+        path = get_tuner().cache.path
+        if saved == "unwritable":
+            return (f"{head}; {tuned} problems timed, NOT cached: {path} cannot be written, so a new process times "
+                    "them again (SPARSECONV_CACHE_DIR sets where the cache goes)")
+        if saved == "busy":
+            return f"{head}; {tuned} problems timed; the cache {path} is locked by another process: written at exit"
+        return f"{head}; {tuned} problems timed once, cached in {path}"
     if effort == "none":
         return f"{head}; nothing timed (SPARSECONV_AUTOTUNE_EFFORT=none: untimed choices)"
     return f"{head}; nothing timed: every choice came from the tuning cache or the shipped tunings"

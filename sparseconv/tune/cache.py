@@ -301,6 +301,12 @@ class TuneCache:
             self._loaded = True
         return True
 
+    @property
+    def unwritable(self) -> bool:
+        """Whether the last write of the file failed (an OSError: a read-only or missing directory, a full
+        disk); the entries wait in memory meanwhile."""
+        return self._unwritable_warned
+
     def _warn_unwritable(self, exc: OSError) -> None:
         if not self._unwritable_warned:
             self._unwritable_warned = True
