@@ -4,9 +4,17 @@ voxels a generative conv makes) and neighbour queries (one map, several maps at 
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
 from types import SimpleNamespace
 
+import torch
+
 from .keys import BATCH_MAX, COORD_BITS, COORD_MIN
+
+NO_DRIVER = "Warp CUDA warning: Could not find or load the NVIDIA CUDA driver"
+"""What Warp's native library prints to stderr at its start on every machine without an NVIDIA driver."""
 
 
 def define() -> SimpleNamespace:
@@ -14,7 +22,7 @@ def define() -> SimpleNamespace:
     import warp as wp
 
     wp.config.log_level = wp.LOG_WARNING
-    wp.init()
+    _init(wp)
     # Nothing differentiates these kernels: without their adjoints a cold start compiles about half the code.
     wp.set_module_options({"enable_backward": False})
 
@@ -390,3 +398,27 @@ def define() -> SimpleNamespace:
                            query_maps=query_maps, floor_insert=floor_insert,
                            floor_firsts=floor_firsts, floor_compact=floor_compact, generate_cells=generate_cells,
                            generate_compact=generate_compact)
+
+
+def _init(wp) -> None:
+    """``wp.init()``; where torch finds no CUDA device, without :data:`NO_DRIVER`, which a CPU-only user can do
+    nothing about (Warp has no option for it: its native code writes to the process's stderr). Anything else
+    written to stderr meanwhile goes through."""
+    if torch.cuda.is_available():
+        wp.init()
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            wp.init()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        text = caught.read().decode(errors="replace")
+    kept = "".join(line for line in text.splitlines(keepends=True) if not line.startswith(NO_DRIVER))
+    if kept:
+        sys.stderr.write(kept)
