@@ -99,7 +99,8 @@ class TuneCache:
         return sorted(found, key=lambda item: item[:2])
 
     def flush(self, force: bool = False) -> bool:
-        """Merge unflushed puts into the file if forced or flush_interval_s has passed; True if it wrote."""
+        """Merge unflushed puts into the file if forced or flush_interval_s has passed; True if it wrote.
+        Forced, it waits up to lock_timeout_s for the file's lock; else it tries the lock once."""
         with self._io_lock:
             if self._writing:  # re-entered by the SIGTERM handler mid-write on this thread
                 return False
@@ -113,7 +114,13 @@ class TuneCache:
             self._last_attempt = time.monotonic()
             self._writing = True
             try:
-                return self._write(pending)
+                # Unforced (a put: a conv call is timing its candidates) it never waits for the lock: while
+                # another process holds it the entries wait in memory for a later put or the exit.
+                written = self._write(pending, wait=force)
+                if not written and not force and not self._atexit_installed:
+                    atexit.register(self._flush_quietly)  # (a forced flush at exit waits for the lock)
+                    self._atexit_installed = True
+                return written
             finally:
                 self._writing = False
                 signalled, self._signalled = self._signalled, None
@@ -206,7 +213,8 @@ class TuneCache:
                     disk = read_entries(self.path)
                 except Unusable:
                     # Re-read under the lock (a writer may have just replaced it); only then move it aside.
-                    with self._file_lock() as held:
+                    # Not waiting for it: this is a conv call's first lookup (held elsewhere, the file stays).
+                    with self._file_lock(wait=False) as held:
                         disk = self._read_locked(move_aside=held)
             except OSError as exc:
                 logger.warning("tune cache %s not loaded (%s); starting empty", self.path, exc)
@@ -253,8 +261,9 @@ class TuneCache:
                 pass
 
     @contextlib.contextmanager
-    def _file_lock(self) -> Iterator[bool]:
-        """Hold ``<path>.lock``; yields False, with a warning, after lock_timeout_s; raises OSError."""
+    def _file_lock(self, wait: bool = True) -> Iterator[bool]:
+        """Hold ``<path>.lock``; yields False, with a warning, after lock_timeout_s (at once, quietly, if not
+        ``wait``); raises OSError."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
         try:
@@ -264,6 +273,9 @@ class TuneCache:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    if not wait:
+                        yield False
+                        return
                     if time.monotonic() >= deadline:
                         msg = "tune cache %s: lock not had within %.1f s; skipped, unflushed entries kept"
                         logger.warning(msg, self.path, self.lock_timeout_s)
@@ -277,12 +289,13 @@ class TuneCache:
         finally:
             os.close(fd)
 
-    def _write(self, pending: Entries) -> bool:
-        """Merge ``pending`` with the file under the lock and write it; returns whether it wrote."""
+    def _write(self, pending: Entries, wait: bool = True) -> bool:
+        """Merge ``pending`` with the file under the lock and write it; returns whether it wrote (``wait``:
+        for the lock, see :meth:`_file_lock`)."""
         if self._newer_file:
             return False
         try:
-            with self._file_lock() as held:
+            with self._file_lock(wait) as held:
                 if not held:
                     return False
                 disk = self._read_locked(move_aside=True)
