@@ -135,7 +135,8 @@ def run_demo(
                 tuned = _tuned_count() - timed_before
                 tunings = _save_tunings() if tuned else None
                 if bar is not None:
-                    bar.write(_tuning_line(sum(step_seconds), tuned, tuning_steps, effort, tunings), file=sys.stderr)
+                    bar.write(_tuning_line(sum(step_seconds), tuned, tuning_steps, effort, tunings, _cache_path()),
+                              file=sys.stderr)
             if bar is not None:
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
                 bar.update()
@@ -200,7 +201,7 @@ def format_report(report: dict) -> str:
         f"({_median(seconds):.3f} s per step; the first took {seconds[0]:.2f} s: Warp JIT, kernel maps, "
         "algorithm choice)",
         _tuning_line(sum(seconds[: report["tuning_steps"]]), report["tuned_problems"], report["tuning_steps"],
-                     report["tuner"]["effort"], report["tunings_saved"]),
+                     report["tuner"]["effort"], report["tunings_saved"], report["tuner"]["cache"]),
         "",
         "loss, mean over each tenth of the training:",
         *_loss_table(losses),
@@ -219,14 +220,13 @@ def format_report(report: dict) -> str:
 def _tuner_report(model: torch.nn.Module) -> dict:
     """What the tuner chose for every conv layer (forward, dgrad, wgrad) and where it keeps that."""
     from ..nn import SparseConv3d
-    from ..tune import get_tuner
 
     layers = {
         name: [module.algorithms.get(ns, "-") for ns in ("AB_gather_scatter", "ABt_gather_scatter", "AtB_gather_gather")]
         for name, module in model.named_modules()
         if isinstance(module, SparseConv3d)
     }
-    return {"layers": layers, "cache": str(get_tuner().cache.path), "effort": config.autotune_effort()}
+    return {"layers": layers, "cache": _cache_path(), "effort": config.autotune_effort()}
 
 
 def _tuner_lines(report: dict) -> list[str]:
@@ -265,14 +265,18 @@ def _save_tunings() -> str:
     return "unwritable" if cache.unwritable else "busy"
 
 
-def _tuning_line(seconds: float, tuned: int, tuning_steps: int, effort: str, saved: str | None = None) -> str:
-    """What the tuning phase (the first ``tuning_steps`` steps) cost, how many problems it timed, and whether
-    their timings reached the cache file (``saved``: :func:`_save_tunings`)."""
+def _cache_path() -> str:
     from ..tune import get_tuner
 
+    return str(get_tuner().cache.path)
+
+
+def _tuning_line(seconds: float, tuned: int, tuning_steps: int, effort: str, saved: str | None = None,
+                 path: str = "") -> str:
+    """What the tuning phase (the first ``tuning_steps`` steps) cost, how many problems it timed, and whether
+    their timings reached the cache file at ``path`` (``saved``: :func:`_save_tunings`)."""
     head = f"tuning: the first {tuning_steps} step{'s' if tuning_steps > 1 else ''} took {seconds:.1f} s"
     if tuned:
-        path = get_tuner().cache.path
         if saved == "unwritable":
             return (f"{head}; {tuned} problems timed, NOT cached: {path} cannot be written, so a new process times "
                     "them again (SPARSECONV_CACHE_DIR sets where the cache goes)")

@@ -45,14 +45,13 @@ class MapUse:
 
     ``calls``: the tuner's memo of the products prepared on the map (each one's settled choice and prepared
     call): a layer's later calls on the map go straight to its kernels. The rest is the plan's: ``spec``, what
-    it knows the map by (:class:`~.prebuild.MapSpec`; an adjoint's is its source's, with ``adjoint`` set);
+    it knows the map by (:class:`~.prebuild.MapSpec`; None for an adjoint, recorded under its source's);
     ``uses``, the products made on the map (a cell of the plan's record, read by the next batches:
     :attr:`KernelMap.lone`); ``recipes``, where the products prepared at layers' first calls are recorded
     (prepared ahead on the next batch's map); ``forward_count`` / ``forward_left``, the forward products of a
     training pass on the map and how many are still expected (:meth:`forward_done`)."""
 
-    __slots__ = ("map", "_batch", "calls", "spec", "adjoint", "uses", "recipes", "planned", "forward_count",
-                 "forward_left")
+    __slots__ = ("map", "_batch", "calls", "spec", "uses", "recipes", "planned", "forward_count", "forward_left")
 
     def __init__(self, kernel_map: KernelMap, batch: Batch) -> None:
         # The batch by a weak reference: a cycle between it and its uses would hold a batch's maps, views and
@@ -60,7 +59,6 @@ class MapUse:
         self.map, self._batch = kernel_map, weakref.ref(batch)
         self.calls: dict[Hashable, object] = {}
         self.spec: Hashable | None = None  # (a MapSpec: the plan sits above this module)
-        self.adjoint = False
         self.uses: list[int] | None = None
         self.recipes: dict[Hashable, None] | None = None
         self.planned: dict[Hashable, None] | None = None

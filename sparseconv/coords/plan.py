@@ -97,9 +97,8 @@ class Record:
             _replay(kernel_map)
         source = kernel_map.transpose_of
         source_use = None if spec is not None or source is None else cache.batch.uses.get(id(source))
-        if source_use is not None and not source_use.adjoint and source_use.spec in self.views:
+        if source_use is not None and source_use.spec in self.views:
             spec = source_use.spec
-            use.spec, use.adjoint = spec, True
             use.uses = self.uses.setdefault(spec, [0])  # its products are its source's
             kernel_map.on_view = _recorder(self.adjoint_views.setdefault(spec, {}), kinds)
             use.recipes = self._calls_of(use, (spec, True))

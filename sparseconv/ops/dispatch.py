@@ -17,6 +17,7 @@ from ..backends import algos
 from ..backends.problem import NAMESPACES, PIN_ARGUMENT, ConvProblem
 from ..coords.batch import MapUse
 from ..coords.kernel_map import KernelMap
+from ..tune.pools import resolve_mode
 
 Pin = str | Sequence[str] | None
 
@@ -38,9 +39,8 @@ def check_settings() -> None:
     ValueError naming the variable. Called at a batch's first map request, so that a bad wgrad mode fails
     before the forward pass runs, not at its backward (~4 µs, once a batch)."""
     for namespace in NAMESPACES:
-        mode = config.product_settings(namespace)[0]  # (effort and deterministic checked here too)
-        if mode is not None:
-            algos.checked_mode(mode, namespace, config.ALGO_MODE_VARIABLES[namespace])
+        # (product_settings checks effort and deterministic; resolve_mode the mode, as the tuner's first call would)
+        resolve_mode(namespace, None, config.product_settings(namespace)[0])
 
 
 @dataclass(frozen=True)

@@ -117,9 +117,8 @@ class TuneCache:
                 # Unforced (a put: a conv call is timing its candidates) it never waits for the lock: while
                 # another process holds it the entries wait in memory for a later put or the exit.
                 written = self._write(pending, wait=force)
-                if not written and not force and not self._atexit_installed:
-                    atexit.register(self._flush_quietly)  # (a forced flush at exit waits for the lock)
-                    self._atexit_installed = True
+                if not written and not force:
+                    self._flush_at_exit()  # (a forced flush, which waits for the lock)
                 return written
             finally:
                 self._writing = False
@@ -165,9 +164,7 @@ class TuneCache:
     def install_exit_hooks(self) -> None:
         """Flush at interpreter exit and on SIGTERM (main thread only); idempotent, never raises."""
         try:
-            if not self._atexit_installed:
-                atexit.register(self._flush_quietly)
-                self._atexit_installed = True
+            self._flush_at_exit()
             if self._sigterm_installed:
                 return
             if threading.current_thread() is not threading.main_thread():
@@ -180,6 +177,12 @@ class TuneCache:
             logger.warning("tune cache %s: could not install exit hooks", self.path, exc_info=True)
 
     # -- private -------------------------------------------------------------------------------
+
+    def _flush_at_exit(self) -> None:
+        """Register the forced flush at interpreter exit (once)."""
+        if not self._atexit_installed:
+            atexit.register(self._flush_quietly)
+            self._atexit_installed = True
 
     def _flush_quietly(self) -> None:
         try:

@@ -87,7 +87,7 @@ def _timed(record: object) -> tuple[float, float | None] | None:
 
 
 def measured_cost(record: Mapping) -> float:
-    """A timed record's cost: its GPU or host time a call, whichever is longer (as tuner.cost)."""
+    """A timed record's cost: its GPU or host time a call, whichever is longer (as evidence.cost)."""
     ms, host = _timed(record) or (math.inf, None)
     return max(ms, host or 0.0)
 
