@@ -36,15 +36,21 @@ A peer whose training fails with its default algorithm trains with ConvAlgo.Nati
   / warp            its strided conv's, not queried); host syncs torch reports in one new-coordinate
                     inference (torch.cuda.set_sync_debug_mode); Warp launches (hash-table inserts
                     and queries) in one; ours only
-A second table times ours and each peer in alternating rounds (new coordinates, inference rounds
-then training rounds, the order rotating): the ratio lines come from it, since timing one library
-after the other let host drift between them move the ratios by tens of percent.
+A second table times ours and each peer in alternating rounds, inference rounds then training
+rounds, the order rotating; the ratio lines (medians of the per-round ratios) come from it, since
+timing one library after the other let host drift between them move the ratios by tens of percent.
+By default (--rounds unseen) every round feeds all libraries one point cloud none has seen (a new
+scene layout: contents and voxel counts change every batch, as in training on a data set), and the
+table adds per library the kernels' summed device time of a pass (gpu), wall minus that (host),
+and the peak memory of a training step on an unseen cloud; --rounds same-coords builds a new tensor
+from the scene's one set of coordinates every round instead. --rounds-only prints this table alone.
 A last table times map building: for subm3, a 16-channel conv on a fresh tensor minus the
 same conv with its map cached (both printed too); for down2 (k2 s2), the whole fresh conv, since
 spconv cannot reuse a strided conv's map. ``--maps-only`` prints that table alone.
 
     python scripts/bench_network.py                                   # 3 scenes x fp16, bf16 (minutes)
     python scripts/bench_network.py --scenes street1 --dtypes float16 --peers spconv
+    python scripts/bench_network.py --scenes street1 street4 room2 --dtypes float16 --peers spconv --rounds-only --repeats 15
     python scripts/bench_network.py --scenes street1 street4 room2 --dtypes float16 --peers --deterministic
     python scripts/bench_network.py --scenes street1 room2 --dtypes float16 --peers spconv --lazy-maps
     python scripts/bench_network.py --scenes street1 street4 --dtypes float16 --peers spconv --model backbone
@@ -70,7 +76,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparseconv
 from sparseconv.cli.bench import (MODELS, SCENES, Runner, anchor_tensor, gpu_ms, import_anchor, one_call_ms,
-                                  scene_coords, subm_maps, sync, timed)
+                                  scene_coords, subm_maps, sync, timed, unseen_clouds)
 from sparseconv.nn import SparseConv3d
 
 PEERS = ("spconv", "spconv_triton", "naive")
@@ -170,34 +176,103 @@ def run_network(name: str, coords, dtype, device, repeats: int, model: str = "mi
         return {"error": f"n/a ({type(error).__name__}: {str(error)[:80]})"}
 
 
-def interleaved(coords, dtype, device, libraries: list[str], rows: dict, repeats: int, model: str = "minkunet"
-                ) -> dict[str, dict]:
-    """{library: {"infer": ms, "step": ms}}: new-coordinate inference and training step timed in
-    rounds that alternate the libraries (the order rotating every round), inference rounds first.
+ROUND_KINDS = ("infer", "step")
 
-    The per-library rows above time each library's columns one after the other; on a shared
-    host the same pass drifted by up to 2x between such runs (H100, 2026-11-25), which moved the
-    ratios more than most changes do. Alternating puts that drift on every library alike.
+
+def interleaved(scene: str, coords, dtype, device, libraries: list[str], rows: dict, args) -> dict[str, dict]:
+    """{library: {"infer": [ms per round], "step": [...]}}: inference and training step timed in rounds
+    that alternate the libraries (the order rotating every round), inference rounds first.
+
+    With ``--rounds unseen`` (the default) every round feeds every library the same point cloud, one no
+    pass has seen (:func:`unseen_clouds`: contents and voxel counts change as in training on a data set),
+    and each library's entry gains "infer gpu" / "step gpu" (the kernels' summed device time of one pass
+    on a further unseen cloud) and "peak GB" (a training step on another); with ``--rounds same-coords``
+    every round builds a new tensor from the scene's one set of coordinates.
+
+    The per-library rows time each library's columns one after the other; on a shared host the same
+    pass drifted by up to 2x between such runs (H100, 2026-11-25), which moved the ratios more than most
+    changes do. Alternating puts that drift on every library alike.
     """
+    unseen = args.rounds == "unseen"
+    pool = unseen_clouds(scene, 2 * args.repeats + 5, dtype, device, args.scale) if unseen else []
+    clouds = iter(pool)
+    # the backbone's fixed grid (a detector's point-cloud range) covers every cloud of the run
+    grid = torch.cat([coords, *(cloud.coords for cloud in pool)]) if args.model == "backbone" else coords
     runners = {}
     for library in libraries:
-        if library == "ours_deterministic" or "error" in rows.get(library, {"error": True}):
+        if library == "ours_deterministic" or "error" in rows.get(library, {}):
             continue
-        # As its row trained on new coordinates: Native only if its default algorithm failed there.
-        runners[library] = Runner(library, coords, dtype, device, native="step" in rows[library].get("native", ()),
-                                  model=model)
-    for runner in runners.values():
-        for _ in range(2):
-            runner.infer()
-            runner.step()
+        # As its row trained: Native only if its default algorithm failed there.
+        runners[library] = Runner(library, grid, dtype, device, native="step" in rows.get(library, {}).get("native", ()),
+                                  model=args.model)
+
+    def feed() -> None:
+        """The next round's cloud, the same for every library (unseen mode; else the runners keep theirs)."""
+        if unseen:
+            cloud = next(clouds)
+            for runner in runners.values():
+                runner.use(cloud)
+
+    for _ in range(2):
+        feed()
+        for library, runner in list(runners.items()):
+            try:
+                runner.infer()
+                runner.step()
+            except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported, not timed
+                print(f"{library}: dropped from the alternating rounds ({type(error).__name__}: {str(error)[:200]})")
+                del runners[library]
     sparseconv.tune.wait_for_compiles()
-    times = {library: {"infer": [], "step": []} for library in runners}
+    times = {library: {kind: [] for kind in ROUND_KINDS} for library in runners}
     names = list(runners)
-    for kind in ("infer", "step") if names else ():
-        for round_ in range(repeats):
+    for kind in ROUND_KINDS if names else ():
+        for round_ in range(args.repeats):
+            feed()
             for library in names[round_ % len(names):] + names[: round_ % len(names)]:
                 times[library][kind].append(one_call_ms(getattr(runners[library], kind), device))
-    return {library: {kind: statistics.median(v) for kind, v in kinds.items()} for library, kinds in times.items()}
+    if unseen:
+        for kind in ROUND_KINDS:
+            feed()
+            for library, runner in runners.items():
+                times[library][kind + " gpu"] = gpu_ms(getattr(runner, kind), device)
+        feed()
+        for library, runner in runners.items():
+            times[library]["peak GB"] = peak_gb(runner.step, device, runner)
+        times["voxels"] = [len(cloud.coords) for cloud in pool]
+    return times
+
+
+def print_rounds(alternated: dict, args) -> None:
+    """The alternating-rounds table and the ratio lines over spconv (medians of per-round ratios)."""
+    unseen = args.rounds == "unseen"
+    what = ("a point cloud no library has seen every round (host = wall - gpu)" if unseen
+            else "same coordinates, a new tensor every round")
+    print(f"\nalternating rounds, {what}: median ms of {args.repeats} rounds")
+    extra = ["infer gpu", "infer host", "step gpu", "step host", "peak GB"] if unseen else []
+    columns = ["infer", "step", *extra]
+    print("| scene | voxels | dtype | library | " + " | ".join(columns) + " |\n" + "|---" * (4 + len(columns)) + "|")
+    ratios = []
+    for (scene, dtype_name, n), times in alternated.items():
+        sizes = times.pop("voxels", None)
+        voxels = f"{min(sizes)}-{max(sizes)}" if sizes else str(n)
+        for library, kinds in times.items():
+            cells = {kind: statistics.median(kinds[kind]) for kind in ROUND_KINDS}
+            for kind in ROUND_KINDS if unseen else ():
+                cells[kind + " gpu"] = kinds[kind + " gpu"]
+                gpu = kinds[kind + " gpu"]
+                cells[kind + " host"] = cells[kind] - gpu if isinstance(gpu, float) else "-"
+            if unseen:
+                cells["peak GB"] = kinds["peak GB"]
+            print(f"| {scene} | {voxels} | {dtype_name} | {library} | " + " | ".join(fmt(cells[c]) for c in columns)
+                  + " |")
+        anchor, ours = times.get("spconv"), times.get("ours")
+        if anchor is not None and ours is not None:
+            per_round = [statistics.median(a / b for a, b in zip(anchor[kind], ours[kind])) for kind in ROUND_KINDS]
+            memory = f"; step peak memory {fmt(ours['peak GB'])} vs {fmt(anchor['peak GB'])} GB" if unseen else ""
+            ratios.append(f"{scene} {dtype_name} {args.model}: ours over spconv ({args.rounds} rounds, median of "
+                          f"per-round ratios): inference {per_round[0]:.2f}x, training step {per_round[1]:.2f}x"
+                          + memory)
+    print("\n".join(ratios))
 
 
 def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> dict[str, float] | str:
@@ -335,6 +410,11 @@ def main() -> None:
     parser.add_argument("--maps-only", action="store_true", help="the map-build table alone (no network)")
     parser.add_argument("--no-interleave", dest="interleave", action="store_false",
                         help="skip the alternating-rounds table (and the ratios it gives)")
+    parser.add_argument("--rounds", default="unseen", choices=("unseen", "same-coords"),
+                        help="the alternating rounds: a point cloud no library has seen every round (with device "
+                             "and host time and step memory), or a new tensor on the scene's coordinates")
+    parser.add_argument("--rounds-only", action="store_true",
+                        help="the alternating rounds alone (no per-library table, no map table)")
     parser.add_argument("--lazy-maps", action="store_true",
                         help="also run ours with SPARSECONV_PLAN_MAPS=0 (the row ours_lazy_maps, alternating rounds too)")
     parser.add_argument("--deterministic", action="store_true",
@@ -355,13 +435,15 @@ def main() -> None:
         return
     columns = ["infer", "step", "infer=", "step=", "host", "gpu", "peak GB", "first", "1st step", "maps", "syncs",
                "warp"]
-    print("| scene | N | dtype | library | " + " | ".join(columns) + " |")
-    print("|---" * (4 + len(columns)) + "|")
-    speedups, alternated, voxels = [], {}, {}
+    if not args.rounds_only:
+        print("\nper library, one after the other, same coordinates (a new tensor every pass: maps built again):")
+        print("| scene | N | dtype | library | " + " | ".join(columns) + " |")
+        print("|---" * (4 + len(columns)) + "|")
+    alternated, voxels = {}, {}
     for scene, coords in scenes.items():
         for dtype_name in args.dtypes:
             rows = {}
-            for library in libraries:
+            for library in libraries if not args.rounds_only else ():
                 rows[library] = row = run_network(library, coords, getattr(torch, dtype_name), device, args.repeats,
                                                   args.model)
                 cells = [row["error"]] if "error" in row else [fmt(row.get(c)) for c in columns]
@@ -370,26 +452,15 @@ def main() -> None:
                 label = library + (f" ({row['note']})" if "note" in row else "")
                 print(f"| {scene} | {len(coords)} | {dtype_name} | {label} | " + " | ".join(cells) + " |", flush=True)
             if args.interleave and len(libraries) > 1:
-                both = interleaved(coords, getattr(torch, dtype_name), device, libraries, rows, args.repeats, args.model)
-                alternated[(scene, dtype_name)] = both
-                anchor, ours = both.get("spconv"), both.get("ours")
-                if anchor is not None and ours is not None:
-                    speedups.append((scene, dtype_name, anchor["infer"] / ours["infer"], anchor["step"] / ours["step"],
-                                     rows["ours"].get("peak GB"), rows["spconv"].get("peak GB")))
+                alternated[(scene, dtype_name, len(coords))] = interleaved(
+                    scene, coords, getattr(torch, dtype_name), device, libraries, rows, args)
     if alternated:
-        print("\nalternating rounds (the ratios below): new coordinates, median ms of --repeats rounds")
-        print("| scene | dtype | library | infer | step |\n|---|---|---|---|---|")
-        for (scene, dtype_name), both in alternated.items():
-            for library, kinds in both.items():
-                print(f"| {scene} | {dtype_name} | {library} | {kinds['infer']:.2f} | {kinds['step']:.2f} |")
-    for scene, dtype_name, infer, step, ours_gb, their_gb in speedups:
-        print(f"{scene} {dtype_name} {args.model}: ours over spconv, new coordinates, alternating rounds: inference "
-              f"{infer:.2f}x, training step {step:.2f}x; peak memory {fmt(ours_gb)} vs {fmt(their_gb)} GB")
+        print_rounds(alternated, args)
     if voxels:
         print("\nvoxels of each stage's output and of the height conv (the same network on both sides when equal):")
         for (scene, dtype_name, library), counts in voxels.items():
             print(f"  {scene} {dtype_name} {library}: {counts}")
-    if args.maps:
+    if args.maps and not args.rounds_only:
         map_table(scenes, device, args)
 
 
