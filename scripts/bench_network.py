@@ -319,13 +319,23 @@ def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> dict[st
         return f"n/a ({type(error).__name__})"
 
 
-def profile_ours(coords, dtype, device, model: str = "minkunet") -> None:
-    """Where ours spends host time: per pass kind (inference and training step, new and kept
-    coordinates), the torch ops each line of sparseconv issues (count, host ms), then the host
-    syncs by line and a cProfile of one training step."""
-    runner = Runner("ours", coords, dtype, device, model=model)
-    passes = {"infer new": runner.infer, "infer same": lambda: runner.infer(same=True),
-              "step same": lambda: runner.step(same=True), "step new": runner.step}
+def profile_ours(scene: str, dtype, device, args) -> None:
+    """Where ours spends host time: per pass kind (inference and training step, on unseen clouds and on
+    kept coordinates), the torch ops each line of sparseconv issues (count, host ms), then the host
+    syncs by line and a cProfile (by own time and by cumulative time) of one inference and one
+    training step on unseen clouds."""
+    clouds = iter(unseen_clouds(scene, 24, dtype, device, args.scale))
+    first = next(clouds)
+    runner = Runner("ours", first.coords, dtype, device, model=args.model)
+
+    def unseen(kind):
+        def run():
+            runner.use(next(clouds))
+            getattr(runner, kind)()
+        return run
+
+    passes = {"infer unseen": unseen("infer"), "infer same": lambda: runner.infer(same=True),
+              "step same": lambda: runner.step(same=True), "step unseen": unseen("step")}
     for fn in passes.values():
         for _ in range(3):
             fn()
@@ -341,17 +351,20 @@ def profile_ours(coords, dtype, device, model: str = "minkunet") -> None:
         for site, (count, ms) in sorted(sites.counts.items(), key=lambda kv: -kv[1][1])[:40]:
             print(f"  {count:5d} {ms:8.2f}  {site}")
     if device.type == "cuda":
-        print("host syncs of one new-coordinate inference, by the line that caused them:")
-        for site, count in sync_sites(runner.infer).most_common():
+        print("host syncs of one unseen-cloud inference, by the line that caused them:")
+        for site, count in sync_sites(passes["infer unseen"]).most_common():
             print(f"  {count:4d}  {site}")
-    profiler = cProfile.Profile()
-    profiler.enable()
-    runner.step()
-    sync(device)
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(35)
-    print("cProfile of one training step, new coordinates\n" + text.getvalue())
+    for label in ("infer unseen", "step unseen"):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        passes[label]()
+        sync(device)
+        profiler.disable()
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats(order).print_stats(45)
+            print(f"cProfile of one {label} pass ({stats.total_calls} Python calls), by {order}\n" + text.getvalue())
 
 
 class OpSites(TorchDispatchMode):
@@ -405,7 +418,7 @@ def main() -> None:
                         help="the MinkUNet, or the detection backbone (SparseResNetBackbone with spconv's downsampling)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
-    parser.add_argument("--profile", action="store_true", help="profile one new-coordinate inference of ours first")
+    parser.add_argument("--profile", action="store_true", help="profile ours first (torch ops by line, host syncs, cProfile), first scene and dtype")
     parser.add_argument("--no-maps", dest="maps", action="store_false", help="skip the map-build table")
     parser.add_argument("--maps-only", action="store_true", help="the map-build table alone (no network)")
     parser.add_argument("--no-interleave", dest="interleave", action="store_false",
@@ -429,7 +442,7 @@ def main() -> None:
                  *(["ours_lazy_maps"] if args.lazy_maps else []), *args.peers]
     scenes = {scene: scene_coords(scene, args.scale).to(device) for scene in args.scenes}
     if args.profile:
-        profile_ours(scenes[args.scenes[0]], getattr(torch, args.dtypes[0]), device, args.model)
+        profile_ours(args.scenes[0], getattr(torch, args.dtypes[0]), device, args)
     if args.maps_only:
         map_table(scenes, device, args)
         return

@@ -195,14 +195,16 @@ class Runner:
     def make_input(self, same: bool) -> Any:
         """A new input tensor (new maps), or with ``same`` the one kept from the last such call."""
         if same and self._same is not None:
+            self.input_labels = self._same_labels
             return self._same
+        self.input_labels = self.labels
         if self.name in ("ours", "naive"):
             x = SparseTensor(self.coords, self.feats)
         else:
             made = self._anchor_input
             x = self.spc.SparseConvTensor(self.feats, made.indices, made.spatial_shape, made.batch_size)
         if same:
-            self._same = x
+            self._same, self._same_labels = x, self.labels
         return x
 
     def logits(self, out: Any) -> torch.Tensor:
@@ -217,7 +219,7 @@ class Runner:
         """Cross-entropy of the MinkUNet's logits; the mean square of the backbone's BEV map."""
         if self.model == "backbone":
             return self.logits(out).float().square().mean()
-        return nn.functional.cross_entropy(self.logits(out).float(), self.labels)
+        return nn.functional.cross_entropy(self.logits(out).float(), self.input_labels)
 
     def voxels(self) -> list[int]:
         """The voxels of each stage's output and of the height conv's (the backbone), from a new pass."""
