@@ -124,6 +124,32 @@ def test_without_enough_data_the_pool_keeps_its_heuristic_order(tmp_path):
     assert ranked != pool and ranked[-1] == Candidate("slow")
 
 
+def test_the_model_is_refitted_when_its_data_grew_by_a_share_not_at_every_new_key(tmp_path, monkeypatch):
+    fits = []
+    fit = prior.CostModel.fit.__func__
+    monkeypatch.setattr(prior.CostModel, "fit", classmethod(lambda cls, *a, **k: fits.append(1) or fit(cls, *a, **k)))
+    cache = TuneCache(tmp_path / "c.msgpack")
+    rows = synthetic(200, seed=12)
+    for namespace, encoded, e in rows[:100]:
+        cache.put(namespace, encoded, e)
+    key = TuneKey(FWD, 30, 30, 4, 64, 64, 27, "s1x1x1", "float16", DEVICE)
+    pool = [Candidate(c) for c in LAWS]
+    prior.ranked(cache, FWD, key, pool)
+    assert len(fits) == 1
+    grow = max(1, math.ceil(prior.REFIT_SHARE * 100))
+    for namespace, encoded, e in rows[100:100 + grow - 1]:  # a few new keys, as each unseen point cloud brings
+        cache.put(namespace, encoded, e)
+        prior.ranked(cache, FWD, key, pool)
+    assert len(fits) == 1
+    namespace, encoded, e = rows[100 + grow - 1]
+    cache.put(namespace, encoded, e)
+    prior.ranked(cache, FWD, key, pool)
+    assert len(fits) == 2
+    with registered(Backend(name="newcomer", ops=frozenset({FWD}), run=explicit.run)):  # other backends: refitted
+        prior.ranked(cache, FWD, key, pool)
+    assert len(fits) == 3
+
+
 def test_quick_times_the_top_picks_and_unknown_candidates_then_the_rest_only_if_none_passed(tmp_path):
     cache = TuneCache(tmp_path / "c.msgpack")
     for namespace, encoded, e in synthetic(40, seed=9):
