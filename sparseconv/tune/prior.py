@@ -49,7 +49,10 @@ REFIT_SHARE = 0.05
 FEATURES = ("log2 N_in", "log2 N_out", "log2 pairs/offset", "log2 C_in", "log2 C_out", "log2 K", "down", "up",
             "generative")
 
-_KEY = re.compile(r"v\d+\|n(-?\d+)>(-?\d+)\|d(-?\d+)\|c(\d+)>(\d+)\|k(\d+)\|([st])([0-9x]+)(g?)\|([^|]+)\|(.+)")
+# The device is one field: a deterministic or lone key's flags after it (``|det``, ``|lone``) are not part of it
+# (read as its device, they left such keys in groups of their own, never predicted).
+_KEY = re.compile(r"v\d+\|n(-?\d+)>(-?\d+)\|d(-?\d+)\|c(\d+)>(\d+)\|k(\d+)\|([st])([0-9x]+)(g?)\|([^|]+)\|(.+?)"
+                  r"(?:\|det)?(?:\|lone)?")
 
 Entries = Iterable[tuple[str, str, Mapping]]
 

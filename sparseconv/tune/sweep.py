@@ -156,3 +156,21 @@ def _ensure_handler() -> None:
         root.addHandler(handler)
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
+
+
+def refuse_tuning_in_trace(namespace: str, encoded: str, a: torch.Tensor) -> None:
+    """RuntimeError if timing candidates now would time a trace or a CUDA-graph capture, not kernels."""
+    if torch.compiler.is_compiling():
+        where = "inside a torch.compile trace"
+    elif a.device.type == "meta" or isinstance(a, torch._subclasses.FakeTensor):
+        where = "on fake tensors (a torch.compile, torch.export or make_fx trace)"
+    elif a.is_cuda and torch.cuda.is_current_stream_capturing():
+        where = "during CUDA-graph capture"
+    else:
+        return
+    raise RuntimeError(
+        f"sparseconv: {namespace} {encoded} is not tuned yet and cannot be tuned {where}, where candidate "
+        "kernels cannot be timed. Call sparseconv.warmup(model, example_input) eagerly first (one forward "
+        "and backward that tunes every layer), or pin the algorithms (fwd_algo= ..., SPARSECONV_*_ALGO_MODE) "
+        "or set SPARSECONV_AUTOTUNE_EFFORT=none."
+    )

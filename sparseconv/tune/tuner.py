@@ -23,6 +23,7 @@ from ..coords.kernel_map import KernelMap
 from ..backends import compiling, registry
 from ..backends.problem import ConvProblem, layer_problem
 from . import faults, prior
+from .budget import TimingBudget
 from .cache import TuneCache
 from .configs import Candidate
 from .distributed import Ranks
@@ -30,7 +31,7 @@ from .evidence import Evidence, cost, pick
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
 from .precompile import ChoiceCompiles
-from .sweep import compile_and_sweep, log_sweep, retime
+from .sweep import compile_and_sweep, log_sweep, refuse_tuning_in_trace, retime
 from .timing import CLOSE
 
 logger = logging.getLogger("sparseconv.tune")
@@ -46,15 +47,18 @@ class Tuner:
     """Chooses, runs and remembers algorithms; one per process (see :func:`sparseconv.tune.get_tuner`)."""
 
     def __init__(self, cache: TuneCache | None = None, compiles: ChoiceCompiles | None = None,
-                 ranks: Ranks | None = None) -> None:
+                 ranks: Ranks | None = None, budget: TimingBudget | None = None) -> None:
         """``cache``: the tuning cache (the user's file, opened on first use); ``compiles``: the background
-        compiles of decided choices and small sweeps; ``ranks``: the agreement with the job's other ranks."""
+        compiles of decided choices and small sweeps; ``ranks``: the agreement with the job's other ranks;
+        ``budget``: the share of wall time timing may take inside calls (:mod:`.budget`)."""
         self._cache = cache
         self._choices: dict[tuple, tuple[Candidate, registry.Backend]] = {}
         self._lock = threading.Lock()
         self._reported: set[str] = set()  # candidates whose failure was logged as a warning
         self._compiles = compiles or ChoiceCompiles()  # no worker until a first choice compiles there
         self._ranks = ranks or Ranks()
+        self.budget = budget or TimingBudget()
+        self._stand_ins: dict[tuple, Candidate] = {}  # memo -> the model's pick, run until the key is timed
 
     @property
     def cache(self) -> TuneCache:
@@ -162,7 +166,11 @@ class Tuner:
                         candidate, compiled = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map,
                                                            memo)
                     if isinstance(candidate, _Provisional):
-                        return candidate.candidate, registry.get(candidate.candidate.backend), False
+                        candidate = candidate.candidate
+                        if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
+                                                                 kernel_map, deterministic):
+                            return _REFERENCE, registry.get(FALLBACK), False
+                        return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
                         return _REFERENCE, registry.get(FALLBACK), False
@@ -241,7 +249,11 @@ class Tuner:
         evidence = Evidence.read(self.cache, namespace, encoded)
         missing = self._to_time(namespace, key, pool, effort, evidence)
         fresh: list[Candidate] = []
+        started = time.perf_counter()
         if missing:
+            stand_in = self._stand_in(namespace, key, pool, effort, memo)
+            if stand_in is not None:
+                return _Provisional(stand_in), False  # its kernels may compile in the background meanwhile
             elsewhere = self._timed_elsewhere(namespace, encoded, pool, a, key.deterministic)
             if elsewhere is not None:
                 return elsewhere
@@ -252,6 +264,9 @@ class Tuner:
                 # other ranks run the pool's first until the choice is published.
                 return _Provisional(_REFERENCE), True
         choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
+        if fresh:
+            self.budget.spend(time.perf_counter() - started)
+            self._stand_ins.pop(memo, None)
         choice = _adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
         if fresh:
             self._store(namespace, encoded, evidence.timings)
@@ -272,6 +287,22 @@ class Tuner:
             # not the picks of a model refitted on more data since.
             missing = prior.unknown(self.cache, namespace, key, missing)
         return missing
+
+    def _stand_in(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, memo: tuple
+                  ) -> Candidate | None:
+        """What a key with candidates to time runs while the timing budget is spent (:mod:`.budget`): the
+        cost model's first pick, untimed, until a later call finds the budget refilled and times the key.
+        None (time it now) where the budget allows, under effort full (tuning ahead), in deterministic
+        mode (which kernel ran would depend on the clock), or without a model fitted to pick."""
+        if effort != "quick" or key.deterministic or self.budget.allows():
+            return None
+        stand_in = self._stand_ins.get(memo)
+        if stand_in is None:
+            costs = prior.predicted(self.cache, namespace, key, pool)
+            if not costs:
+                return None
+            stand_in = self._stand_ins[memo] = min((c for c in pool if c.id in costs), key=lambda c: costs[c.id])
+        return stand_in
 
     def _timed_elsewhere(self, namespace: str, encoded: str, pool: list[Candidate], a: torch.Tensor,
                          deterministic: bool) -> tuple[Candidate | _Provisional, bool] | None:
@@ -344,24 +375,6 @@ class Tuner:
         self.cache.put(namespace, encoded, entry)
 
 
-def refuse_tuning_in_trace(namespace: str, encoded: str, a: torch.Tensor) -> None:
-    """RuntimeError if timing candidates now would time a trace or a CUDA-graph capture, not kernels."""
-    if torch.compiler.is_compiling():
-        where = "inside a torch.compile trace"
-    elif a.device.type == "meta" or isinstance(a, torch._subclasses.FakeTensor):
-        where = "on fake tensors (a torch.compile, torch.export or make_fx trace)"
-    elif a.is_cuda and torch.cuda.is_current_stream_capturing():
-        where = "during CUDA-graph capture"
-    else:
-        return
-    raise RuntimeError(
-        f"sparseconv: {namespace} {encoded} is not tuned yet and cannot be tuned {where}, where candidate "
-        "kernels cannot be timed. Call sparseconv.warmup(model, example_input) eagerly first (one forward "
-        "and backward that tunes every layer), or pin the algorithms (fwd_algo= ..., SPARSECONV_*_ALGO_MODE) "
-        "or set SPARSECONV_AUTOTUNE_EFFORT=none."
-    )
-
-
 SWEEP_IN_BACKGROUND = prior.QUICK_TOP
 """A sweep of at most this many candidates (the cost model's picks) compiles in the background; a
 larger one (no model yet: the whole pool) compiles in the call. Measured on an H100 (street1
@@ -375,7 +388,8 @@ _REFERENCE = Candidate(FALLBACK)
 
 
 class _Provisional(NamedTuple):
-    """A candidate to run while another rank times the key: not remembered, so a later call looks again."""
+    """A candidate to run for now (another rank times the key, its sweep compiles, or the timing budget is spent):
+    not remembered, so a later call looks again."""
 
     candidate: Candidate
 

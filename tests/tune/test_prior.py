@@ -3,6 +3,7 @@ and the tuner times only the model's top picks under effort quick."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -167,15 +168,15 @@ def test_quick_times_the_top_picks_and_unknown_candidates_then_the_rest_only_if_
 
 # ---------------------------------------------------------------- in the tuner -----------------
 
-def _speeds(calls: Calls, wrong: frozenset = frozenset()) -> Backend:
-    """Six parameter sets that sleep 0, 4, ..., 20 ms; those in ``wrong`` return noise."""
+def _speeds(calls: Calls, wrong: frozenset = frozenset(), **fields) -> Backend:
+    """Six parameter sets that sleep 0, 4, ..., 20 ms; those in ``wrong`` return noise; ``fields``: more Backend fields."""
     def run(namespace, problem, params, a, b, kernel_map):
         calls.add(f"fake_speeds[{params['level']}]", namespace)
         time.sleep(params["level"] * 4e-3)
         out = explicit.run(namespace, problem, params, a, b, kernel_map)
         return torch.randn_like(out) if params["level"] in wrong else out
 
-    return Backend("fake_speeds", frozenset({FWD}), run, params_space=tuple({"level": i} for i in range(6)))
+    return Backend("fake_speeds", frozenset({FWD}), run, params_space=tuple({"level": i} for i in range(6)), **fields)
 
 
 def _seed_cache(fastest: int = 0) -> None:
@@ -234,6 +235,48 @@ def test_a_recorded_decision_stands_under_quick_when_a_refitted_model_ranks_othe
         assert timed >= {0, 1, 2, 3, 5}  # full times every candidate the entry lacks
 
 
+def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_timed_once_it_refills():
+    from sparseconv.tune.budget import TimingBudget
+
+    calls = Calls()
+    with registered(_speeds(calls)):
+        _seed_cache(fastest=4)  # the pool's order (by id) puts level 0 first
+        tuner = sparseconv.tune.get_tuner()
+        tuner.budget = TimingBudget(share=0.0, burst=0.0)  # spent, and never refilled
+        for _ in range(2):
+            record = _conv(fwd_algo=["fake_speeds"])
+            assert record[FWD] == "fake_speeds[level=4]"  # the model's pick, not the pool's first
+        assert sum(calls.counts.values()) == 2  # the two forwards: nothing timed
+        assert all(len(e["timings"]) == 6 for _, _, e in tuner.cache.items(FWD))  # the seeded keys alone
+        assert tuner.choices() == []  # not settled: a later call times it
+        tuner.budget = TimingBudget()  # refilled
+        record = _conv(fwd_algo=["fake_speeds"])
+    timed = {i for i in range(6) if calls.of(f"fake_speeds[{i}]") > (2 if i == 4 else 0)}
+    assert timed == {3, 4, 5}  # timed now: the model's top picks
+    assert record[FWD] == "fake_speeds[level=3]" and [c[2] for c in tuner.choices()] == [record[FWD]]
+    assert tuner.budget.spent_s > 0
+
+
+@pytest.mark.parametrize("setting", ["full", "deterministic"])
+def test_effort_full_and_deterministic_mode_time_a_new_key_even_over_the_budget(monkeypatch, setting):
+    from sparseconv.tune.budget import TimingBudget
+
+    if setting == "full":
+        monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "full")
+    else:
+        previous = sparseconv.set_deterministic(True)
+    calls = Calls()
+    try:
+        with registered(_speeds(calls, deterministic=lambda namespace, params: True)):
+            _seed_cache()
+            sparseconv.tune.get_tuner().budget = TimingBudget(share=0.0, burst=0.0)
+            _conv(fwd_algo=["fake_speeds"])
+    finally:
+        if setting == "deterministic":
+            sparseconv.set_deterministic(previous)
+    assert sum(calls.counts.values()) > 1  # timed in the call
+
+
 def test_the_model_is_fitted_on_the_shipped_tunings_beneath_an_empty_cache(monkeypatch, tmp_path):
     from sparseconv.tune import shipped
 
@@ -289,6 +332,8 @@ def test_key_features_read_an_encoded_key():
     assert features.dtype == "bfloat16" and features.device == key.device
     assert np.allclose(features.values, (15, 14, 14 - 3, 5, 6, math.log2(27), 0, 1, 1))
     assert prior.key_features("autotune:op=x|dtype=float16") is None
+    flagged = dataclasses.replace(key, deterministic=True, lone=True)  # flags after the device are not the device
+    assert prior.key_features(flagged.encode()) == features
 
 
 def test_bench_tuner_prior_option_prints_the_accuracy_table(tmp_path, capsys, monkeypatch):

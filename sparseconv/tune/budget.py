@@ -1,0 +1,54 @@
+"""How much of a process's wall time the tuner may spend timing candidates inside calls.
+
+Timing a new key's candidates runs inside the call that met it (tens of milliseconds a key on a
+GPU: compiled candidates timed, guarded and stored). Training on a data set keeps meeting new
+keys, since each point cloud's layer sizes fall into new buckets now and then; timed at once,
+those keys made half of the passes on unseen street clouds several times slower than the
+steady state (H200, 2026-11-28). A token bucket bounds that cost: timing may run while the
+bucket holds time; it refills at :data:`SHARE` seconds per second of wall time, up to
+:data:`BURST_S`. A key met while the bucket is empty runs the cost model's pick untimed and is
+timed by a later call once the bucket has refilled (:meth:`Tuner.run`'s stand-ins).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+SHARE = 0.1
+"""Share of wall time the tuner may spend timing inside calls, over any long stretch of calls."""
+BURST_S = 1.0
+"""Timing a process may do at once (its first calls, or after a quiet spell), in seconds."""
+
+
+class TimingBudget:
+    """A token bucket of timing seconds (see the module docstring); thread-safe."""
+
+    def __init__(self, share: float = SHARE, burst: float = BURST_S,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.share, self.burst = share, burst
+        self.spent_s = 0.0
+        """Seconds of timing charged so far (every sweep's, whether it ran over budget or not)."""
+        self._clock = clock
+        self._level, self._at = burst, None
+        self._lock = threading.Lock()
+
+    def allows(self) -> bool:
+        """Whether a call may time candidates now."""
+        with self._lock:
+            self._refill()
+            return self._level > 0.0
+
+    def spend(self, seconds: float) -> None:
+        """Charge ``seconds`` of timing (the bucket may go below empty: later calls wait for it to refill)."""
+        with self._lock:
+            self._refill()
+            self._level -= seconds
+            self.spent_s += seconds
+
+    def _refill(self) -> None:
+        now = self._clock()
+        if self._at is not None:
+            self._level = min(self.burst, self._level + self.share * (now - self._at))
+        self._at = now
