@@ -58,7 +58,8 @@ class Tuner:
         self._compiles = compiles or ChoiceCompiles()  # no worker until a first choice compiles there
         self._ranks = ranks or Ranks()
         self.budget = budget or TimingBudget()
-        self._stand_ins: dict[tuple, Candidate] = {}  # memo -> the model's pick, run until the key is timed
+        # memo -> (the model's pick, run until the key is timed; whether its kernels are loaded)
+        self._stand_ins: dict[tuple, tuple[Candidate, bool]] = {}
 
     @property
     def cache(self) -> TuneCache:
@@ -156,6 +157,10 @@ class Tuner:
         if choice is None or not _current(choice):
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):  # compiling: the reference runs meanwhile
                 return _REFERENCE, registry.get(FALLBACK), False
+            stand_in = self._stand_ins.get(memo)
+            if stand_in is not None and stand_in[1] and not self.budget.allows():
+                # Loaded and waiting for the budget: no pool, no cache read (~0.4 ms a call, 76 calls of a step).
+                return stand_in[0], registry.get(stand_in[0].backend), False
             with self._lock:
                 choice = self._choices.get(memo)
                 if choice is None or not _current(choice):
@@ -170,6 +175,8 @@ class Tuner:
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
                             return _REFERENCE, registry.get(FALLBACK), False
+                        if memo in self._stand_ins:
+                            self._stand_ins[memo] = (candidate, True)  # its kernels are loaded: the fast path above
                         return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
@@ -296,13 +303,13 @@ class Tuner:
         mode (which kernel ran would depend on the clock), or without a model fitted to pick."""
         if effort != "quick" or key.deterministic or self.budget.allows():
             return None
-        stand_in = self._stand_ins.get(memo)
-        if stand_in is None:
+        held = self._stand_ins.get(memo)
+        if held is None:
             costs = prior.predicted(self.cache, namespace, key, pool)
             if not costs:
                 return None
-            stand_in = self._stand_ins[memo] = min((c for c in pool if c.id in costs), key=lambda c: costs[c.id])
-        return stand_in
+            held = self._stand_ins[memo] = (min((c for c in pool if c.id in costs), key=lambda c: costs[c.id]), False)
+        return held[0]
 
     def _timed_elsewhere(self, namespace: str, encoded: str, pool: list[Candidate], a: torch.Tensor,
                          deterministic: bool) -> tuple[Candidate | _Provisional, bool] | None:

@@ -235,17 +235,27 @@ def test_a_recorded_decision_stands_under_quick_when_a_refitted_model_ranks_othe
         assert timed >= {0, 1, 2, 3, 5}  # full times every candidate the entry lacks
 
 
-def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_timed_once_it_refills():
+def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_timed_once_it_refills(monkeypatch):
+    from sparseconv.tune import tuner as tuner_module
     from sparseconv.tune.budget import TimingBudget
 
+    pools = []
+    pool_of = tuner_module.candidate_pool
+    monkeypatch.setattr(tuner_module, "candidate_pool", lambda *args: pools.append(1) or pool_of(*args))
     calls = Calls()
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
+    weight = torch.randn(27, 4, 5)
     with registered(_speeds(calls)):
         _seed_cache(fastest=4)  # the pool's order (by id) puts level 0 first
         tuner = sparseconv.tune.get_tuner()
         tuner.budget = TimingBudget(share=0.0, burst=0.0)  # spent, and never refilled
-        for _ in range(2):
-            record = _conv(fwd_algo=["fake_speeds"])
+        for i in range(2):
+            record: dict = {}
+            sparse_conv3d(x, weight, record=record, fwd_algo=["fake_speeds"])
             assert record[FWD] == "fake_speeds[level=4]"  # the model's pick, not the pool's first
+            if i == 0:
+                pools.clear()
+        assert not pools  # a waiting key's later calls build no pool and read no cache
         assert sum(calls.counts.values()) == 2  # the two forwards: nothing timed
         assert all(len(e["timings"]) == 6 for _, _, e in tuner.cache.items(FWD))  # the seeded keys alone
         assert tuner.choices() == []  # not settled: a later call times it
