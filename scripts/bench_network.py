@@ -225,11 +225,17 @@ def interleaved(scene: str, coords, dtype, device, libraries: list[str], rows: d
     sparseconv.tune.wait_for_compiles()
     times = {library: {kind: [] for kind in ROUND_KINDS} for library in runners}
     names = list(runners)
+    budget = sparseconv.tune.get_tuner().budget
     for kind in ROUND_KINDS if names else ():
+        timed_before = budget.spent_s
         for round_ in range(args.repeats):
             feed()
             for library in names[round_ % len(names):] + names[: round_ % len(names)]:
                 times[library][kind].append(one_call_ms(getattr(runners[library], kind), device))
+        if args.verbose:
+            print(f"{scene} {kind} rounds (ms): " + "; ".join(
+                f"{library} " + " ".join(f"{ms:.1f}" for ms in times[library][kind]) for library in names)
+                + f"; ours timed candidates for {budget.spent_s - timed_before:.2f} s of them", flush=True)
     if unseen:
         for kind in ROUND_KINDS:
             feed()
@@ -426,6 +432,8 @@ def main() -> None:
     parser.add_argument("--rounds", default="unseen", choices=("unseen", "same-coords"),
                         help="the alternating rounds: a point cloud no library has seen every round (with device "
                              "and host time and step memory), or a new tensor on the scene's coordinates")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every round's times, and how long ours spent timing candidates in them")
     parser.add_argument("--rounds-only", action="store_true",
                         help="the alternating rounds alone (no per-library table, no map table)")
     parser.add_argument("--lazy-maps", action="store_true",
