@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import time
 
 import pytest
 import torch
@@ -117,6 +118,15 @@ def test_a_tuning_cache_that_cannot_be_written_is_said_so_where_the_tuning_is_re
     line = (f"{report['tuned_problems']} problems timed, NOT cached: {blocker / 'cache' / 'autotune.msgpack'} cannot "
             "be written, so a new process times them again")
     assert line in err and line in format_report(report) and "cached in" not in err
+
+
+def test_tunings_the_cache_writer_thread_already_wrote_are_reported_saved():
+    from sparseconv.cli.demo import _save_tunings
+
+    cache = sparseconv.tune.get_tuner().cache
+    cache.put("ns", "key", {"evidence": 1, "updated": time.time()})  # the first put hands its write to the thread
+    assert cache.wait_for_writes(30) and cache.unflushed == 0  # so the demo's forced flush finds nothing left
+    assert _save_tunings() == "saved"
 
 
 def test_a_run_with_nothing_to_tune_says_so_and_ten_steps_train(no_tuning_sweeps, capsys):

@@ -260,7 +260,8 @@ def _save_tunings() -> str:
     from ..tune import get_tuner
 
     cache = get_tuner().cache
-    if cache.flush(force=True):
+    cache.flush(force=True)  # (False too when the cache's writer thread had already written them all)
+    if not cache.unflushed:
         return "saved"
     return "unwritable" if cache.unwritable else "busy"
 
