@@ -42,6 +42,13 @@ def test_tiny_demo_trains_scores_plots_and_leaves_the_callers_rng_alone(tmp_path
     if HAS_MATPLOTLIB:
         assert report["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "bird's-eye picture" in text
+    # The closing line is the run's wall time (what the docs' "about N minutes" is checked against).
+    assert report["wall_seconds"] >= report["data_seconds"] + sum(report["step_seconds"])
+    threads = torch.get_num_threads()
+    for seconds, shown in ((report["wall_seconds"], f"{report['wall_seconds']:.1f} s"), (42.34, "42.3 s"),
+                           (59.97, "1 min 0 s"), (155.2, "2 min 35 s")):
+        last = format_report({**report, "wall_seconds": seconds}).splitlines()[-1]
+        assert last == f"demo wall time: {shown} from generating the data to this report, on cpu ({threads} torch threads)"
 
 
 def test_bev_plot_without_matplotlib_says_how_to_install_it_before_training(monkeypatch, tmp_path):

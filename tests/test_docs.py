@@ -114,3 +114,16 @@ def test_the_test_command_ci_runs_keeps_the_torch_an_install_line_put():
         assert not [a for a in arguments if re.match(r"torch\b", a)], command
         assert not {"-U", "--upgrade", "--force-reinstall", "-i", "--index-url"} & set(arguments), command
     assert command in (ROOT / "docs" / "quickstart.md").read_text()
+
+
+def test_readme_and_quickstart_give_the_same_times_for_the_demo_and_the_tests():
+    # The figures a user checks: the demo prints its own wall time last; CI's log has the tests'.
+    said = {}
+    for page in INSTALL_PAGES:
+        text = " ".join((ROOT / page).read_text().split())
+        said[page] = {
+            "demo": re.findall(r"its own wall time: about ([\d.-]+ minutes on a 2-core CPU)", text),
+            "tests": re.findall(r"about ([\d.-]+ minutes on a 2-core CPU)[^.]*?(?:with this install|torch installed)", text),
+        }
+    assert said["README.md"] == said["docs/quickstart.md"], said
+    assert all(len(times) == 1 for times in said["README.md"].values()), said
