@@ -58,7 +58,7 @@ INSTALL_PAGES = ["README.md", "docs/quickstart.md"]
 
 def _bash_lines(page: str) -> list[str]:
     """The commands of a page's bash blocks (comments dropped)."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / page).read_text(), re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / page).read_text(), re.DOTALL)
     lines = (line.split(" #", 1)[0].strip() for block in blocks for line in block.splitlines())
     return [line for line in lines if line and not line.startswith("#")]
 
