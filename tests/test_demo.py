@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import time
 
 import pytest
 import torch
@@ -41,6 +42,13 @@ def test_tiny_demo_trains_scores_plots_and_leaves_the_callers_rng_alone(tmp_path
     if HAS_MATPLOTLIB:
         assert report["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "bird's-eye picture" in text
+    # The closing line is the run's wall time (what the docs' "about N minutes" is checked against).
+    assert report["wall_seconds"] >= report["data_seconds"] + sum(report["step_seconds"])
+    threads = torch.get_num_threads()
+    for seconds, shown in ((report["wall_seconds"], f"{report['wall_seconds']:.1f} s"), (42.34, "42.3 s"),
+                           (59.97, "1 min 0 s"), (155.2, "2 min 35 s")):
+        last = format_report({**report, "wall_seconds": seconds}).splitlines()[-1]
+        assert last == f"demo wall time: {shown} from generating the data to this report, on cpu ({threads} torch threads)"
 
 
 def test_bev_plot_without_matplotlib_says_how_to_install_it_before_training(monkeypatch, tmp_path):
@@ -117,6 +125,15 @@ def test_a_tuning_cache_that_cannot_be_written_is_said_so_where_the_tuning_is_re
     line = (f"{report['tuned_problems']} problems timed, NOT cached: {blocker / 'cache' / 'autotune.msgpack'} cannot "
             "be written, so a new process times them again")
     assert line in err and line in format_report(report) and "cached in" not in err
+
+
+def test_tunings_the_cache_writer_thread_already_wrote_are_reported_saved():
+    from sparseconv.cli.demo import _save_tunings
+
+    cache = sparseconv.tune.get_tuner().cache
+    cache.put("ns", "key", {"evidence": 1, "updated": time.time()})  # the first put hands its write to the thread
+    assert cache.wait_for_writes(30) and cache.unflushed == 0  # so the demo's forced flush finds nothing left
+    assert _save_tunings() == "saved"
 
 
 def test_a_run_with_nothing_to_tune_says_so_and_ten_steps_train(no_tuning_sweeps, capsys):

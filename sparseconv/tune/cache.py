@@ -5,6 +5,10 @@ the advisory lock ``<path>.lock``, re-read the file, merge per (namespace, key) 
 rule of :mod:`.merge` (newer backend versions, then the measured-fastest; no candidate's timing
 lost), and replace the file atomically, so concurrent
 writers never lose each other's entries and readers never see half a file.
+
+A put never writes: the conv call that stored a timing hands its unflushed entries to a background
+writer (:mod:`.cachewriter`) and goes on, so a held lock, a slow disk or an unwritable directory
+never delays it. Forced flushes (the exit, SIGTERM, the CLI, the demo) write in the calling thread.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import msgpack
 
 from . import shipped
 from .cachefile import CORRUPT, Entries, Key, Unusable, entry_problem, read_entries, write_entries
+from .cachewriter import CacheWriter
 from .merge import merge as _merge
 
 logger = logging.getLogger("sparseconv.tune.cache")
@@ -51,16 +56,12 @@ class TuneCache:
         self._entries: Entries = {}
         self._dirty: set[Key] = set()
         self._loaded = False
-        self._last_attempt = -math.inf
-        self._writing = False
+        self._last_attempt = -math.inf  # a put's hand-off or a flush, failed or not
         self._unwritable_warned = False
         self._newer_file = False  # the file belongs to a newer sparseconv: never written
-        self._atexit_installed = self._sigterm_installed = False
-        self._signalled: functools.partial | None = None  # a SIGTERM handler call held back by a write
-        # Order: _io_lock -> file lock -> _mem_lock. Reentrant because the SIGTERM handler runs
-        # on the main thread, possibly in the middle of one of our own critical sections.
-        self._io_lock = threading.RLock()
-        self._mem_lock = threading.RLock()
+        self._exit_registered = self._exit_flush = self._sigterm_installed = False
+        self._make_locks()
+        self._writer = CacheWriter(self._write_handed, self._make_locks, name="sparseconv-tune-cache-writer")
 
     def get(self, namespace: str, key: str) -> dict | None:
         """The entry for (namespace, key): this cache's, else the shipped one (:mod:`.shipped`), else
@@ -75,7 +76,8 @@ class TuneCache:
         return entry
 
     def put(self, namespace: str, key: str, entry: dict) -> None:
-        """Store ``entry`` (replacing what memory holds) and flush if flush_interval_s has passed."""
+        """Store ``entry`` (replacing what memory holds); if flush_interval_s has passed, hand the unflushed
+        entries to the background writer. Never touches the file: it returns without waiting for it."""
         if not isinstance(namespace, str) or not isinstance(key, str):
             names = f"{type(namespace).__name__}, {type(key).__name__}"
             raise TypeError(f"namespace and key must be str, got {names}")
@@ -89,7 +91,14 @@ class TuneCache:
         with self._mem_lock:
             self._entries[(namespace, key)] = dict(entry)
             self._dirty.add((namespace, key))
-        self.flush()
+            now = time.monotonic()
+            # Failed attempts count too: a contended lock must not make every put hand a write.
+            if now - self._last_attempt < self.flush_interval_s:
+                return
+            self._last_attempt = now
+            handed = frozenset(self._dirty)
+        self._register_exit()  # what was handed is written before the process ends
+        self._writer.hand(handed)
 
     def items(self, namespace: str | None = None) -> list[tuple[str, str, dict]]:
         """(namespace, key, entry) of every entry, or of one namespace, sorted."""
@@ -99,36 +108,29 @@ class TuneCache:
         return sorted(found, key=lambda item: item[:2])
 
     def flush(self, force: bool = False) -> bool:
-        """Merge unflushed puts into the file if forced or flush_interval_s has passed; True if it wrote.
-        Forced, it waits up to lock_timeout_s for the file's lock; else it tries the lock once."""
+        """Merge unflushed puts into the file, in the calling thread, if forced or flush_interval_s has passed;
+        True if it wrote. Forced, it waits up to lock_timeout_s for the file's lock; else it tries the lock once
+        (held elsewhere, the entries wait in memory for a later write or the exit)."""
         with self._io_lock:
-            if self._writing:  # re-entered by the SIGTERM handler mid-write on this thread
-                return False
             with self._mem_lock:
                 if not self._dirty:
                     return False
-                # Failed attempts count too: a contended lock must not stall every put.
-                if not force and time.monotonic() - self._last_attempt < self.flush_interval_s:
+                now = time.monotonic()
+                if not force and now - self._last_attempt < self.flush_interval_s:
                     return False
+                self._last_attempt = now
                 pending = {key: self._entries[key] for key in self._dirty}
-            self._last_attempt = time.monotonic()
-            self._writing = True
-            try:
-                # Unforced (a put: a conv call is timing its candidates) it never waits for the lock: while
-                # another process holds it the entries wait in memory for a later put or the exit.
-                written = self._write(pending, wait=force)
-                if not written and not force:
-                    self._flush_at_exit()  # (a forced flush, which waits for the lock)
-                return written
-            finally:
-                self._writing = False
-                signalled, self._signalled = self._signalled, None
-                if signalled is not None:
-                    signalled()  # a SIGTERM that came mid-write: flush the rest, then act on it
+            return self._write_pending(pending, wait=force)
+
+    def wait_for_writes(self, timeout: float | None = None) -> bool:
+        """Wait until what puts handed to the background writer is written, or its attempt failed (False if
+        ``timeout`` seconds passed first). The exit waits for it by itself; tests and tools that read the
+        file right after a put call this."""
+        return self._writer.wait(timeout)
 
     def clear(self) -> None:
         """Forget every entry, in memory and in the file."""
-        with self._io_lock:
+        with self._load_lock, self._io_lock:
             with self._mem_lock:
                 self._entries.clear()
                 self._dirty.clear()
@@ -162,7 +164,7 @@ class TuneCache:
         return len(taken)
 
     def install_exit_hooks(self) -> None:
-        """Flush at interpreter exit and on SIGTERM (main thread only); idempotent, never raises."""
+        """Flush (forced) at interpreter exit and on SIGTERM (main thread only); idempotent, never raises."""
         try:
             self._flush_at_exit()
             if self._sigterm_installed:
@@ -178,25 +180,72 @@ class TuneCache:
 
     # -- private -------------------------------------------------------------------------------
 
-    def _flush_at_exit(self) -> None:
-        """Register the forced flush at interpreter exit (once)."""
-        if not self._atexit_installed:
-            atexit.register(self._flush_quietly)
-            self._atexit_installed = True
+    def _make_locks(self) -> None:
+        """New locks (at start, and in a forked child, where a lock the writer thread held stays held)."""
+        # Order: _io_lock -> file lock -> _mem_lock, and _load_lock -> (_io_lock or file lock) -> _mem_lock.
+        # _io_lock: one write at a time in this process; _load_lock: one load, apart from writes, so a conv's
+        # first lookup never waits for the writer thread's write. _mem_lock is reentrant because the SIGTERM
+        # handler runs on the main thread, possibly in the middle of one of its sections.
+        self._io_lock = threading.RLock()
+        self._load_lock = threading.Lock()
+        self._mem_lock = threading.RLock()
+        self._lockers: set[int] = set()  # the threads (idents) in _file_lock: holding it, or about to
+        self._signalled: tuple[int, functools.partial] | None = None  # a SIGTERM handler call held back
 
-    def _flush_quietly(self) -> None:
+    def _write_pending(self, pending: Entries, wait: bool) -> bool:
+        """Write ``pending`` (see :meth:`_write`); unforced and not written, the exit's flush will."""
+        with self._io_lock:
+            written = self._write(pending, wait=wait)
+            if not written and not wait:
+                self._flush_at_exit()
+            return written
+
+    def _write_handed(self, handed: frozenset[Key]) -> None:
+        """The writer thread's write: the keys a put handed, as memory holds them now (a clear() since then
+        dropped them, a later put replaced them); tries the file's lock once."""
+        with self._io_lock:
+            with self._mem_lock:
+                pending = {key: self._entries[key] for key in handed if key in self._dirty}
+            if pending:
+                self._write_pending(pending, wait=False)
+
+    def _register_exit(self) -> None:
+        if not self._exit_registered:
+            atexit.register(self._at_exit)
+            self._exit_registered = True
+
+    def _flush_at_exit(self) -> None:
+        """Have the exit flush (forced: it waits for the file's lock) every entry still unflushed then."""
+        self._exit_flush = True
+        self._register_exit()
+
+    def _at_exit(self) -> None:
         try:
-            self.flush(force=True)
-        except Exception:  # noqa: BLE001 - at exit or in a signal handler raising helps no one
+            # The writer is a daemon thread: the interpreter would stop it mid-write after the exit hooks.
+            if not self._writer.wait(self.lock_timeout_s):
+                logger.warning("tune cache %s: a write still running after %.1f s at exit; left to it",
+                               self.path, self.lock_timeout_s)
+                return
+            if self._exit_flush:
+                self.flush(force=True)
+        except Exception:  # noqa: BLE001 - at exit raising helps no one
             logger.warning("tune cache %s: final flush failed", self.path, exc_info=True)
 
     def _on_sigterm(self, previous: Any, signum: int, frame: Any) -> None:
-        with self._io_lock:  # another thread's write finishes first; this thread's is interrupted
-            if self._writing:
-                # Dying now would drop the write this handler interrupted; flush() calls back when done.
-                self._signalled = functools.partial(self._on_sigterm, previous, signum, frame)
-                return
-        self._flush_quietly()
+        if threading.get_ident() in self._lockers:
+            # The handler interrupted this thread's write: dying now would drop it, and writing here would wait
+            # for the lock this thread holds. Leaving the file lock calls back.
+            self._signalled = (threading.get_ident(), functools.partial(self._on_sigterm, previous, signum, frame))
+            return
+        try:
+            # Not through flush(): its _io_lock may be the writer thread's, which may be waiting for the
+            # _mem_lock this (main) thread held when the signal came. The file lock alone orders the writes.
+            with self._mem_lock:
+                pending = {key: self._entries[key] for key in self._dirty}
+            if pending:
+                self._write(pending, wait=True)
+        except Exception:  # noqa: BLE001 - in a signal handler raising helps no one
+            logger.warning("tune cache %s: final flush failed", self.path, exc_info=True)
         if callable(previous):
             previous(signum, frame)
         elif previous != signal.SIG_IGN:
@@ -208,7 +257,7 @@ class TuneCache:
     def _ensure_loaded(self) -> None:
         if self._loaded:
             return
-        with self._io_lock:
+        with self._load_lock:
             if self._loaded:
                 return
             try:
@@ -269,6 +318,8 @@ class TuneCache:
         ``wait``); raises OSError."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        me = threading.get_ident()
+        self._lockers.add(me)
         try:
             deadline = time.monotonic() + self.lock_timeout_s
             while True:
@@ -291,6 +342,11 @@ class TuneCache:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+            self._lockers.discard(me)
+            signalled = self._signalled
+            if signalled is not None and signalled[0] == me:
+                self._signalled = None
+                signalled[1]()  # a SIGTERM that came while this thread wrote: flush the rest, then act on it
 
     def _write(self, pending: Entries, wait: bool = True) -> bool:
         """Merge ``pending`` with the file under the lock and write it; returns whether it wrote (``wait``:
@@ -316,6 +372,12 @@ class TuneCache:
             _merge(self._entries, disk)
             self._loaded = True
         return True
+
+    @property
+    def unflushed(self) -> int:
+        """How many entries wait in memory for a write of the file (handed to the writer thread, or not yet)."""
+        with self._mem_lock:
+            return len(self._dirty)
 
     @property
     def unwritable(self) -> bool:

@@ -1,4 +1,7 @@
-"""TuneCache: file format, merge rule, locking, recovery from bad files, exit hooks."""
+"""TuneCache: file format, merge rule, locking, recovery from bad files, exit hooks, the background writer.
+
+A put hands its write to the cache's writer thread: a test that reads the file right after puts
+first calls ``wait_for_writes``."""
 
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ def test_entries_round_trip_through_a_fresh_cache_on_the_same_path(cache_path):
     for (namespace, key), value in written.items():
         first.put(namespace, key, value)
 
+    assert first.wait_for_writes(30)
     assert cache_path.exists()  # the directory was created on the first write
     second = TuneCache(cache_path)
     assert {(ns, k): e for ns, k, e in second.items()} == written
@@ -96,6 +100,7 @@ def test_merge_keeps_more_evidence_then_later_update(cache_path, winner, loser, 
     writes = [(a, winner), (b, loser)] if winner_first else [(b, loser), (a, winner)]
     for cache, value in writes:
         cache.put("ns", "key", value)
+        assert cache.wait_for_writes(30)
 
     assert read_file(cache_path)["ns"]["key"]["tag"] == "win"
     # The cache whose entry lost learned the winner from disk when it wrote.
@@ -167,6 +172,7 @@ def test_put_flushes_at_most_once_per_interval_and_force_writes_the_rest(cache_p
     cache = TuneCache(cache_path, flush_interval_s=3600)
     cache.put("ns", "first", entry(1))  # nothing written yet, so the first put writes
     cache.put("ns", "second", entry(1))
+    assert cache.wait_for_writes(30)
     assert set(read_file(cache_path)["ns"]) == {"first"}
     assert cache.flush() is False
     assert cache.flush(force=True) is True
@@ -183,6 +189,7 @@ def test_flush_under_a_held_lock_times_out_warns_and_writes_everything_after_rel
         start = time.monotonic()
         cache.put("ns", "a", entry(1))  # its flush tries the lock once: the entries wait in memory, quietly
         cache.put("ns", "b", entry(2))
+        assert cache.wait_for_writes(30)
         assert cache.flush() is False and not warnings_of(caplog)
         assert cache.flush(force=True) is False  # a forced one waits lock_timeout_s, then gives up, warning
         assert time.monotonic() - start < 5  # bounded by lock_timeout_s, not blocked forever
@@ -222,6 +229,7 @@ def test_unusable_file_warns_is_moved_aside_and_a_fresh_cache_works(cache_path, 
     if first_use == "get":
         assert cache.get("ns", "k") is None
     cache.put("ns", "fresh", entry(1))
+    assert cache.wait_for_writes(30)
 
     messages = warnings_of(caplog)
     assert len(messages) == 1 and str(cache_path) in messages[0] and "moved aside" in messages[0], messages
@@ -349,8 +357,11 @@ EXITING = """
         handler = signal.getsignal(signal.SIGTERM)
         cache.install_exit_hooks()
         assert signal.getsignal(signal.SIGTERM) is handler  # idempotent: not chained to itself
+    assert threading.active_count() == 1  # the writer thread starts with the first put that needs it
     for i in range(5):
         cache.put("ns", f"k{i}", {"evidence": 1, "updated": time.time()})
+    if len(sys.argv) > 3:
+        assert cache.wait_for_writes(30)  # the first put's write, handed to the writer thread
     print("ready", flush=True)
     if len(sys.argv) > 3:
         time.sleep(60)
@@ -421,6 +432,7 @@ def test_a_conv_never_waits_for_a_cache_lock_another_process_holds_and_its_entri
         x = SparseTensor(coords, torch.randn(len(coords), 3))
         sparse_conv3d(x, torch.randn(27, 3, 4), kernel_size=3)  # auto: its candidates are timed, then put
         assert not released.is_set(), "the conv waited for the lock"
+        assert cache.wait_for_writes(30)  # its writer thread tried the lock once, and left the entries
         timed = cache.items()
         assert timed and not cache.path.exists()  # in memory, not yet in the file
     finally:

@@ -120,6 +120,7 @@ def test_a_writer_killed_mid_write_leaves_a_cache_file_the_next_process_reads(tm
     assert len(entries) >= 200 and all(len(entry["timings"]) == 40 for _, _, entry in entries)
     survivor = TuneCache(path, flush_interval_s=0)
     survivor.put("ns", "after", {"evidence": 1, "updated": time.time()})
+    assert survivor.wait_for_writes(30)  # (the put handed its write to the cache's writer thread)
     assert len(TuneCache(path).items()) == len(entries) + 1  # and it writes on from there
 
 

@@ -254,6 +254,7 @@ SIGNAL_MID_WRITE = """
     cache.install_exit_hooks()
     for i in range(5):
         cache.put("ns", f"k{i}", {"evidence": 1, "updated": time.time()})  # the first put writes k0
+    assert cache.wait_for_writes(30)  # (on the writer thread: done before the patch below)
     write = module.write_entries
 
     def interrupted(path, entries):

@@ -298,6 +298,7 @@ def test_the_model_is_fitted_on_the_shipped_tunings_beneath_an_empty_cache(monke
         folder.mkdir()
         shipped.write(folder / shipped.device_file_name(device_identity(torch.device("cpu"))),
                       {(ns, key): entry for ns, key, entry in cache.items()})
+        assert cache.wait_for_writes(30)  # (the puts handed their write to the cache's writer thread)
         cache.path.unlink()
         monkeypatch.setenv("SPARSECONV_CACHE_DIR", str(tmp_path / "empty-cache"))
         monkeypatch.setattr(shipped, "data_dir", lambda: folder)
