@@ -15,6 +15,7 @@ from ..tensor import SparseTensor
 from ..backends.problem import ConvProblem, layer_problem
 from . import batch
 from .dispatch import AlgoPins, Pin, dispatch
+from .pointwise import pointwise
 
 
 MATMUL = "matmul"
@@ -121,8 +122,8 @@ def checked_conv3d(
         # Every row is its own only neighbour: a matmul on the same coordinates, no map, no tuner.
         # squeeze, not weight[0]: its backward is a view of the gradient, where select's backward
         # fills a zeroed weight-sized tensor (two launches a 1x1 layer in a training step).
-        matrix = weight.squeeze(0)
-        out = torch.mm(feats, matrix) if bias is None else torch.addmm(bias, feats, matrix)
+        # On a GPU its rows are padded to a size bucket (pointwise.py: cuBLAS's per-shape host cost).
+        out = pointwise(feats, weight.squeeze(0), bias)
         if record is not None:
             record["AB_gather_scatter"] = MATMUL
             if out.requires_grad:

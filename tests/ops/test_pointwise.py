@@ -1,0 +1,63 @@
+"""A 1x1x1 conv's matrix product with its rows padded to a size bucket: the same values and gradients as
+torch's, and products whose shapes repeat across row counts (cuBLAS's per-shape host cost)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sparseconv.ops.pointwise import MIN_STEP, bucket_rows, pointwise
+
+
+class MatmulShapes(TorchDispatchMode):
+    """The operand shapes of every mm / addmm run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "addmm"):
+            self.shapes.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_bucket_rows_pads_by_at_most_a_sixteenth_and_meets_few_sizes_an_octave():
+    for n in [0, 1, 63, 64, 65, 1000, 4097, 91234, 370001]:
+        m = bucket_rows(n)
+        assert n <= m <= n + max(MIN_STEP, n // 16), n
+    assert len({bucket_rows(n) for n in range(65536, 131072)}) <= 32
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_padded_products_equal_torch_s_values_and_gradients(with_bias):
+    feats = torch.randn(1013, 6, dtype=torch.float64, requires_grad=True)
+    matrix = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True) if with_bias else None
+    inputs = (feats, matrix) + ((bias,) if with_bias else ())
+    expected = feats @ matrix + (bias if with_bias else 0)
+    assert torch.allclose(pointwise(feats, matrix, bias, padded=True), expected)
+    small = [t.detach()[:37].clone().requires_grad_() if t.shape[0] == 1013 else t for t in inputs]
+    assert torch.autograd.gradcheck(lambda *a: pointwise(a[0], a[1], a[2] if with_bias else None, padded=True),
+                                    small)
+    grad = torch.randn_like(expected)
+    got = torch.autograd.grad(pointwise(feats, matrix, bias, padded=True), inputs, grad)
+    want = torch.autograd.grad(expected, inputs, grad)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w)
+
+
+def test_padded_products_meet_the_same_shapes_at_nearby_row_counts():
+    seen = []
+    for n in (1000, 1013, 1020):
+        feats = torch.randn(n, 32, requires_grad=True)
+        matrix = torch.randn(32, 16, requires_grad=True)
+        with MatmulShapes() as shapes:
+            pointwise(feats, matrix, padded=True).square().sum().backward()
+        seen.append(shapes.shapes)
+        assert {s[0][0] for s in shapes.shapes if s[0][0] != 32} == {bucket_rows(n)}  # every product's rows padded
+    assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 3  # forward, grad of feats, grad of the matrix
+    with MatmulShapes() as plain:
+        pointwise(torch.randn(1013, 32), torch.randn(32, 16), padded=False)
+    assert plain.shapes == {((1013, 32), (32, 16))}
