@@ -61,3 +61,27 @@ def test_padded_products_meet_the_same_shapes_at_nearby_row_counts():
     with MatmulShapes() as plain:
         pointwise(torch.randn(1013, 32), torch.randn(32, 16), padded=False)
     assert plain.shapes == {((1013, 32), (32, 16))}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_1x1_conv_on_the_gpu_runs_padded_products_with_the_reference_s_values(dtype):
+    import sparseconv
+    from sparseconv.nn import SparseConv3d
+
+    coords = torch.unique(torch.randint(0, 40, (3001, 4)), dim=0)
+    coords[:, 0] = 0
+    coords = torch.unique(coords, dim=0)
+    feats = torch.randn(len(coords), 48)
+    conv = SparseConv3d(48, 24, 1, bias=True)
+    reference = feats.double() @ conv.weight.detach()[0].double() + conv.bias.detach().double()
+    x = sparseconv.SparseTensor(coords.cuda(), feats.cuda().to(dtype).requires_grad_())
+    gpu = conv.cuda().to(dtype)
+    with MatmulShapes() as shapes:
+        out = gpu(x).feats
+        out.float().square().sum().backward()
+    assert {s[0][0] for s in shapes.shapes if s[0][0] not in (48, 24)} == {bucket_rows(len(coords))}
+    assert torch.allclose(out.double().cpu(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+    grad = 2 * out.float().double().cpu()
+    want = grad @ conv.weight.detach()[0].double().cpu().t()
+    assert torch.allclose(x.feats.grad.double().cpu(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
