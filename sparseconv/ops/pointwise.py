@@ -4,9 +4,10 @@ cuBLAS picks its algorithm per problem shape on the host, and a shape it has not
 pick again: a (N, 64) x (64, 128) fp16 product took 2.3 ms of host time at a new N against 0.016 ms
 at a known one (H200, torch 2.11, CUDA 13, median of 20 random N in 60k-110k). Every point cloud
 brings new row counts, so a MinkUNet's seven 1x1 layers paid it in every pass, forward and backward
-(7.7 ms of host time in a 91k-voxel inference). Padded with zero rows to a multiple of 1/16 to 1/32
-of N, the products meet at most ~20 shapes an octave: 0.12 ms a call, the pad's copy included.
-Only the forward's and backward's transient copies are padded: the saved input is the layer's own.
+(7.7 ms of host time in a 91k-voxel inference). Split into the first N rounded down to a multiple
+of 1/16 to 1/32 of N and the rest padded with zero rows to one such step, the products meet ~16-32
+shapes an octave (padding the whole input instead: 0.12 ms a call, the copy included, but a copy of
+every input and gradient, which raised a training step's peak memory by ~0.1 GB at 91k voxels).
 """
 
 from __future__ import annotations
@@ -17,18 +18,16 @@ MIN_STEP = 64
 """The smallest row bucket step (small layers: the padding is a few rows at most)."""
 
 
-def bucket_rows(n: int) -> int:
-    """``n`` rounded up to a multiple of 2**(bit_length(n) - 5) (at least :data:`MIN_STEP`): at most
-    ~6% of padding, ~16-32 buckets an octave."""
-    step = max(MIN_STEP, 1 << max(0, n.bit_length() - 5))
-    return -(-n // step) * step
+def row_step(n: int) -> int:
+    """The row bucket step of ``n`` rows: 2**(bit_length(n) - 5), at least :data:`MIN_STEP` (1/16 to 1/32 of n)."""
+    return max(MIN_STEP, 1 << max(0, n.bit_length() - 5))
 
 
 def pointwise(feats: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None = None,
               padded: bool | None = None) -> torch.Tensor:
     """``feats @ matrix (+ bias)``: feats (N, C_in), matrix (C_in, C_out), bias (C_out,) or None, one dtype and
     device; (N, C_out). With ``padded`` (default: on CUDA) the products run on rows padded to
-    :func:`bucket_rows`, forward and backward; else torch's mm / addmm as they are (a CPU's BLAS has no
+    :func:`padded_mm`'s bucketed shapes, forward and backward; else torch's mm / addmm as they are (a CPU's BLAS has no
     per-shape host cost to save)."""
     if not (feats.is_cuda if padded is None else padded):
         return torch.mm(feats, matrix) if bias is None else torch.addmm(bias, feats, matrix)
@@ -36,11 +35,36 @@ def pointwise(feats: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | No
 
 
 def padded_mm(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows @ matrix (+ bias)`` computed on ``rows`` padded with zero rows to :func:`bucket_rows`; (N, C_out)."""
-    n = rows.shape[0]
-    padded = torch.nn.functional.pad(rows, (0, 0, 0, bucket_rows(n) - n))
-    out = torch.mm(padded, matrix) if bias is None else torch.addmm(bias, padded, matrix)
-    return out[:n]
+    """``rows @ matrix (+ bias)``: (N, C_out), in two products of bucketed shapes and no copy of ``rows``: the
+    first N rounded down to a multiple of :func:`row_step`, then the rest padded with zero rows to one step."""
+    n, step = rows.shape[0], row_step(rows.shape[0])
+    head = n - n % step
+    out = rows.new_empty(n, matrix.shape[1])
+    if head:
+        _product(rows[:head], matrix, bias, out[:head])
+    if head < n:
+        tail = torch.nn.functional.pad(rows[head:], (0, 0, 0, step - (n - head)))
+        out[head:] = _product(tail, matrix, bias)[: n - head]
+    return out
+
+
+def padded_reduction(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left.T @ right`` for left (N, A), right (N, B): (A, B), N (the reduced dimension) split as
+    :func:`padded_mm` splits its rows (the rest padded with zero rows on both sides)."""
+    n, step = left.shape[0], row_step(left.shape[0])
+    head = n - n % step
+    out = torch.mm(left[:head].t(), right[:head])
+    if head < n:
+        pad = (0, 0, 0, step - (n - head))
+        out += torch.mm(torch.nn.functional.pad(left[head:], pad).t(), torch.nn.functional.pad(right[head:], pad))
+    return out
+
+
+def _product(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    if bias is None:
+        return torch.mm(rows, matrix, out=out)
+    return torch.addmm(bias, rows, matrix, out=out)
 
 
 class _Pointwise(torch.autograd.Function):
@@ -57,10 +81,7 @@ class _Pointwise(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_feats = padded_mm(grad, matrix.t())
         if ctx.needs_input_grad[1]:
-            # (C_in, N) x (N, C_out): N is the reduced dimension, padded on both sides with zero rows
-            n = feats.shape[0]
-            pad = (0, 0, 0, bucket_rows(n) - n)
-            grad_matrix = torch.mm(torch.nn.functional.pad(feats, pad).t(), torch.nn.functional.pad(grad, pad))
+            grad_matrix = padded_reduction(feats, grad)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_feats, grad_matrix, grad_bias

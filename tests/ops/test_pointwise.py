@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sparseconv.ops.pointwise import MIN_STEP, bucket_rows, pointwise
+from sparseconv.ops.pointwise import MIN_STEP, pointwise, row_step
 
 
 class MatmulShapes(TorchDispatchMode):
@@ -23,11 +23,10 @@ class MatmulShapes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_bucket_rows_pads_by_at_most_a_sixteenth_and_meets_few_sizes_an_octave():
-    for n in [0, 1, 63, 64, 65, 1000, 4097, 91234, 370001]:
-        m = bucket_rows(n)
-        assert n <= m <= n + max(MIN_STEP, n // 16), n
-    assert len({bucket_rows(n) for n in range(65536, 131072)}) <= 32
+def test_row_steps_are_a_sixteenth_to_a_thirty_second_of_the_rows_and_few_an_octave():
+    for n in [1, 63, 64, 65, 1000, 4097, 91234, 370001]:
+        assert MIN_STEP <= row_step(n) <= max(MIN_STEP, n // 16), n
+    assert len({(n - n % row_step(n), row_step(n)) for n in range(65536, 131072)}) <= 32
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -56,8 +55,9 @@ def test_padded_products_meet_the_same_shapes_at_nearby_row_counts():
         with MatmulShapes() as shapes:
             pointwise(feats, matrix, padded=True).square().sum().backward()
         seen.append(shapes.shapes)
-        assert {s[0][0] for s in shapes.shapes if s[0][0] != 32} == {bucket_rows(n)}  # every product's rows padded
-    assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 3  # forward, grad of feats, grad of the matrix
+        rows = {d for s in shapes.shapes for d in (s[0][0], s[0][1]) if d not in (32, 16)}
+        assert rows and all(d % row_step(n) == 0 for d in rows), rows  # every product's rows bucketed
+    assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 6  # forward, grad of feats, grad of the matrix: 2 each
     with MatmulShapes() as plain:
         pointwise(torch.randn(1013, 32), torch.randn(32, 16), padded=False)
     assert plain.shapes == {((1013, 32), (32, 16))}
@@ -80,7 +80,8 @@ def test_a_1x1_conv_on_the_gpu_runs_padded_products_with_the_reference_s_values(
     with MatmulShapes() as shapes:
         out = gpu(x).feats
         out.float().square().sum().backward()
-    assert {s[0][0] for s in shapes.shapes if s[0][0] not in (48, 24)} == {bucket_rows(len(coords))}
+    rows = {d for s in shapes.shapes for d in (s[0][0], s[0][1]) if d not in (48, 24)}
+    assert rows and all(d % row_step(len(coords)) == 0 for d in rows), rows
     assert torch.allclose(out.double().cpu(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
     grad = 2 * out.float().double().cpu()
     want = grad @ conv.weight.detach()[0].double().cpu().t()
