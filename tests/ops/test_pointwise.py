@@ -11,7 +11,7 @@ from sparseconv.ops.pointwise import MIN_STEP, pointwise, row_step
 
 
 class MatmulShapes(TorchDispatchMode):
-    """The operand shapes of every mm / addmm run under it."""
+    """The matrix operands' shapes of every mm / addmm run under it (not addmm's bias)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -19,7 +19,7 @@ class MatmulShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.__name__.split(".")[0] in ("mm", "addmm"):
-            self.shapes.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+            self.shapes.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and a.dim() == 2))
         return func(*args, **(kwargs or {}))
 
 
@@ -47,13 +47,15 @@ def test_padded_products_equal_torch_s_values_and_gradients(with_bias):
         assert torch.allclose(g, w)
 
 
-def test_padded_products_meet_the_same_shapes_at_nearby_row_counts():
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_padded_products_meet_the_same_shapes_at_nearby_row_counts(with_bias):
     seen = []
     for n in (1000, 1013, 1020):
         feats = torch.randn(n, 32, requires_grad=True)
         matrix = torch.randn(32, 16, requires_grad=True)
+        bias = torch.randn(16, requires_grad=True) if with_bias else None
         with MatmulShapes() as shapes:
-            pointwise(feats, matrix, padded=True).square().sum().backward()
+            pointwise(feats, matrix, bias, padded=True).square().sum().backward()
         seen.append(shapes.shapes)
         rows = {d for s in shapes.shapes for d in (s[0][0], s[0][1]) if d not in (32, 16)}
         assert rows and all(d % row_step(n) == 0 for d in rows), rows  # every product's rows bucketed
