@@ -178,6 +178,8 @@ class Runner:
             if isinstance(self.spc, str):
                 raise RuntimeError(self.spc)
             anchor = AnchorBackbone if model == "backbone" else AnchorMinkUNet
+            # On the CPU spconv runs Native alone: its default algorithm asks for a CUDA stream.
+            native = native or device.type == "cpu"
             self.net = anchor(self.spc, algo=self.spc.ConvAlgo.Native if native else None).to(device, dtype)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3)
         self._same = None
