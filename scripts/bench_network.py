@@ -60,23 +60,19 @@ spconv cannot reuse a strided conv's map. ``--maps-only`` prints that table alon
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import io
 import os
 import pstats
 import statistics
-import sys
 import tempfile
-import time
-import warnings
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparseconv
 from sparseconv.cli.bench import (MODELS, SCENES, Runner, anchor_tensor, gpu_ms, import_anchor, one_call_ms,
                                   scene_coords, subm_maps, sync, timed, unseen_clouds)
+from sparseconv.cli.probes import OpSites, count_syncs, sync_sites, warp_launches
 from sparseconv.nn import SparseConv3d
 
 PEERS = ("spconv", "spconv_triton", "naive")
@@ -97,31 +93,6 @@ def peak_gb(fn, device: torch.device, runner: Runner | None = None) -> float | s
     fn()
     sync(device)
     return torch.cuda.max_memory_allocated(device) / 2**30
-
-
-def warp_launches(fn) -> int:
-    """Warp kernel launches (hash-table inserts and queries) of one call of ``fn``."""
-    # Internal on purpose: the column counts the hash table's launches, which no public API reports.
-    from sparseconv.coords import warp_launch
-
-    launch, count = warp_launch.launch, [0]
-
-    def counting(*args):
-        count[0] += 1
-        return launch(*args)
-
-    warp_launch.launch = counting
-    try:
-        fn()
-    finally:
-        warp_launch.launch = launch
-    return count[0]
-
-
-def count_syncs(fn, device: torch.device) -> int | str:
-    if device.type != "cuda":
-        return "-"
-    return sum(sync_sites(fn).values())
 
 
 def train_columns(runner: Runner, device, repeats: int, row: dict) -> None:
@@ -213,26 +184,31 @@ def interleaved(scene: str, coords, dtype, device, libraries: list[str], rows: d
             for runner in runners.values():
                 runner.use(cloud)
 
+    kinds = {library: list(ROUND_KINDS) for library in runners}  # what each library can run
     for _ in range(2):
         feed()
         for library, runner in list(runners.items()):
-            try:
-                runner.infer()
-                runner.step()
-            except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported, not timed
-                print(f"{library}: dropped from the alternating rounds ({type(error).__name__}: {str(error)[:200]})")
+            for kind in list(kinds[library]):
+                try:
+                    getattr(runner, kind)()
+                except Exception as error:  # noqa: BLE001 - a peer that cannot run a kind is reported, not timed
+                    # (spconv's CPU build infers but cannot train with a CPU-only torch: its backward asks for
+                    # a CUDA stream)
+                    print(f"{library}: no {kind} rounds ({type(error).__name__}: {str(error)[:200]})")
+                    kinds[library].remove(kind)
+            if not kinds[library]:
                 del runners[library]
     sparseconv.tune.wait_for_compiles()
-    times = {library: {kind: [] for kind in ROUND_KINDS} for library in runners}
-    names = list(runners)
+    times = {library: {kind: [] for kind in kinds[library]} for library in runners}
     budget = sparseconv.tune.get_tuner().budget
-    for kind in ROUND_KINDS if names else ():
+    for kind in ROUND_KINDS:
+        names = [library for library in runners if kind in kinds[library]]
         timed_before = budget.spent_s
-        for round_ in range(args.repeats):
+        for round_ in range(args.repeats if names else 0):
             feed()
             for library in names[round_ % len(names):] + names[: round_ % len(names)]:
                 times[library][kind].append(one_call_ms(getattr(runners[library], kind), device))
-        if args.verbose:
+        if args.verbose and names:
             print(f"{scene} {kind} rounds (ms): " + "; ".join(
                 f"{library} " + " ".join(f"{ms:.1f}" for ms in times[library][kind]) for library in names)
                 + f"; ours timed candidates for {budget.spent_s - timed_before:.2f} s of them", flush=True)
@@ -240,10 +216,10 @@ def interleaved(scene: str, coords, dtype, device, libraries: list[str], rows: d
         for kind in ROUND_KINDS:
             feed()
             for library, runner in runners.items():
-                times[library][kind + " gpu"] = gpu_ms(getattr(runner, kind), device)
+                times[library][kind + " gpu"] = gpu_ms(getattr(runner, kind), device) if kind in kinds[library] else "-"
         feed()
         for library, runner in runners.items():
-            times[library]["peak GB"] = peak_gb(runner.step, device, runner)
+            times[library]["peak GB"] = peak_gb(runner.step, device, runner) if "step" in kinds[library] else "-"
         times["voxels"] = [len(cloud.coords) for cloud in pool]
     return times
 
@@ -262,22 +238,22 @@ def print_rounds(alternated: dict, args) -> None:
         sizes = times.pop("voxels", None)
         voxels = f"{min(sizes)}-{max(sizes)}" if sizes else str(n)
         for library, kinds in times.items():
-            cells = {kind: statistics.median(kinds[kind]) for kind in ROUND_KINDS}
+            cells = {kind: statistics.median(kinds[kind]) if kinds.get(kind) else "-" for kind in ROUND_KINDS}
             for kind in ROUND_KINDS if unseen else ():
                 cells[kind + " gpu"] = kinds[kind + " gpu"]
                 gpu = kinds[kind + " gpu"]
-                cells[kind + " host"] = cells[kind] - gpu if isinstance(gpu, float) else "-"
+                cells[kind + " host"] = cells[kind] - gpu if isinstance(gpu, float) and cells[kind] != "-" else "-"
             if unseen:
                 cells["peak GB"] = kinds["peak GB"]
             print(f"| {scene} | {voxels} | {dtype_name} | {library} | " + " | ".join(fmt(cells[c]) for c in columns)
                   + " |")
         anchor, ours = times.get("spconv"), times.get("ours")
         if anchor is not None and ours is not None:
-            per_round = [statistics.median(a / b for a, b in zip(anchor[kind], ours[kind])) for kind in ROUND_KINDS]
+            per_round = [f"{statistics.median(a / b for a, b in zip(anchor[kind], ours[kind])):.2f}x"
+                         if anchor.get(kind) and ours.get(kind) else "-" for kind in ROUND_KINDS]
             memory = f"; step peak memory {fmt(ours['peak GB'])} vs {fmt(anchor['peak GB'])} GB" if unseen else ""
             ratios.append(f"{scene} {dtype_name} {args.model}: ours over spconv ({args.rounds} rounds, median of "
-                          f"per-round ratios): inference {per_round[0]:.2f}x, training step {per_round[1]:.2f}x"
-                          + memory)
+                          f"per-round ratios): inference {per_round[0]}, training step {per_round[1]}" + memory)
     print("\n".join(ratios))
 
 
@@ -301,10 +277,11 @@ def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> dict[st
             spc = import_anchor(name)
             if isinstance(spc, str):
                 return spc
+            native = {"algo": spc.ConvAlgo.Native} if device.type == "cpu" else {}  # its only CPU algorithm
             if layer == "subm3":
-                conv = spc.SubMConv3d(16, 16, 3, bias=False, indice_key="k").to(device)
+                conv = spc.SubMConv3d(16, 16, 3, bias=False, indice_key="k", **native).to(device)
             else:
-                conv = spc.SparseConv3d(16, 16, 2, 2, bias=False, indice_key="k").to(device)
+                conv = spc.SparseConv3d(16, 16, 2, 2, bias=False, indice_key="k", **native).to(device)
             template = anchor_tensor(spc, coords, feats)
 
             def fresh():
@@ -371,41 +348,6 @@ def profile_ours(scene: str, dtype, device, args) -> None:
             stats = pstats.Stats(profiler, stream=text)
             stats.sort_stats(order).print_stats(45)
             print(f"cProfile of one {label} pass ({stats.total_calls} Python calls), by {order}\n" + text.getvalue())
-
-
-class OpSites(TorchDispatchMode):
-    """Counts the torch ops each line of sparseconv issues, with their host time (launch and any
-    wait included): the profiler's Python stacks are not available on every torch build."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        frame = sys._getframe(1)
-        while frame is not None and not ("/sparseconv/" in frame.f_code.co_filename
-                                         and "site-packages" not in frame.f_code.co_filename):
-            frame = frame.f_back
-        where = "(outside sparseconv)" if frame is None else (
-            f"{frame.f_code.co_filename.rsplit('/sparseconv/', 1)[1]}:{frame.f_lineno} {frame.f_code.co_name}")
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        entry = self.counts[f"{where}  {func.__name__}"]
-        entry[0] += 1
-        entry[1] += 1e3 * (time.perf_counter() - start)
-        return out
-
-
-def sync_sites(fn) -> collections.Counter:
-    """Where ``fn``'s host syncs happen: file:line of the Python frame that caused each one."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
 
 
 def fmt(value) -> str:
