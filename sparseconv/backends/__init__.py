@@ -1,7 +1,7 @@
 """Backends, one module per family; importing this package registers them."""
 
-from . import cutlass_gemm, cutlass_sm90, explicit, grouped, implicit_triton, mask_triton
+from . import csr_scatter, cutlass_gemm, cutlass_sm90, explicit, grouped, implicit_triton, mask_triton
 from . import planned_views
 from .registry import Backend, get, names, register, unregister
 
-__all__ = ["Backend", "cutlass_gemm", "cutlass_sm90", "get", "explicit", "grouped", "implicit_triton", "mask_triton", "names", "planned_views", "register", "unregister"]
+__all__ = ["Backend", "csr_scatter", "cutlass_gemm", "cutlass_sm90", "get", "explicit", "grouped", "implicit_triton", "mask_triton", "names", "planned_views", "register", "unregister"]

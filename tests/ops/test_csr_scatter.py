@@ -1,0 +1,39 @@
+"""explicit_gemm_csr (CPU): every conv mode's forward and gradients equal the dense reference (float64), and
+it is left out where it cannot run (GPU tensors, half precision)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conv_cases import MODES, make_conv, make_input, reference
+
+from sparseconv.backends import registry
+from sparseconv.backends.problem import ConvProblem
+
+NAME = "explicit_gemm_csr"
+
+
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_every_mode_equals_the_dense_reference_with_every_product_pinned_to_it(mode):
+    x = make_input(mode, 3, "cpu")
+    conv = make_conv(mode, 3, 4, "cpu")
+    conv.pins = type(conv.pins).checked(NAME, NAME, NAME)
+    feats = x.feats.clone().requires_grad_()
+    out = conv(x.replace(feats))
+    ref = reference(conv, x, out, feats)
+    torch.testing.assert_close(out.feats, ref, rtol=1e-10, atol=1e-10)
+    probe = torch.randn_like(ref)
+    params = [feats, conv.weight, conv.bias]
+    ours = torch.autograd.grad((out.feats * probe).sum(), params)
+    theirs = torch.autograd.grad((ref * probe).sum(), params)
+    for name, a, b in zip(("feats", "weight", "bias"), ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_it_runs_on_the_cpu_in_float32_and_float64_only():
+    backend = registry.get(NAME)
+    base = dict(in_channels=8, out_channels=8, kernel_size=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+                transposed=False, generative=False, num_in=100, num_out=100)
+    assert backend.supports(ConvProblem(**base, dtype=torch.float32, device=torch.device("cpu"))) is None
+    assert "float16" in backend.supports(ConvProblem(**base, dtype=torch.float16, device=torch.device("cpu")))
+    assert "CPU" in backend.supports(ConvProblem(**base, dtype=torch.float32, device=torch.device("cuda")))
