@@ -6,8 +6,10 @@ set after ``import sparseconv`` (a notebook, a test) still takes effect.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -69,7 +71,13 @@ def cache_dir() -> Path:
 
 
 def autotune_log() -> bool:
-    return os.environ.get("SPARSECONV_AUTOTUNE_LOG", "").strip().lower() in ("1", "true", "yes", "on")
+    """Off unless set to 1 (true, yes, on); ValueError for a value that is neither on nor off."""
+    value = os.environ.get("SPARSECONV_AUTOTUNE_LOG", "").strip().lower()
+    if value in ("",) + _FALSE:
+        return False
+    if value in _TRUE:
+        return True
+    raise ValueError(f"SPARSECONV_AUTOTUNE_LOG must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
 
 
 def shipped_tunings() -> bool:
@@ -92,6 +100,28 @@ def _switch(name: str) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
+
+
+def check_environment() -> None:
+    """Parse every SPARSECONV_* switch and setting that has a fixed set of values now (ValueError naming the
+    variable), and warn once for each SPARSECONV_* name that is none of :data:`VARIABLES` (a misspelt one
+    would otherwise be ignored), with the closest known name. The algorithm modes are checked against the
+    backend table by ``ops.dispatch.check_settings``, which calls this at a batch's first map request: a bad
+    value fails before the first product runs, not when (or if) the code that reads it first runs."""
+    autotune_effort()
+    autotune_log()
+    for switch in ("SPARSECONV_SHIPPED_TUNINGS", "SPARSECONV_BACKGROUND_COMPILE", "SPARSECONV_PLAN_MAPS"):
+        _switch(switch)
+    _parsed_deterministic(os.environ.get("SPARSECONV_DETERMINISTIC", ""), False)
+    for name in os.environ:
+        if name.startswith("SPARSECONV_") and name not in VARIABLES and name not in _WARNED:
+            _WARNED.add(name)
+            close = difflib.get_close_matches(name, VARIABLES, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; known: {sorted(VARIABLES)}"
+            warnings.warn(f"{name} is not a sparseconv setting and is ignored{hint}", stacklevel=2)
+
+
+_WARNED: set[str] = set()  # unknown SPARSECONV_* names warned about in this process
 
 
 def triton_interpret() -> bool:

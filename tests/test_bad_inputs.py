@@ -230,6 +230,14 @@ BAD_INPUTS = [
     Bad("env-autotune-effort", lambda: snn.SparseConv3d(3, 4)(cloud()),
         ValueError, r"SPARSECONV_AUTOTUNE_EFFORT must be one of \('none', 'quick', 'full'\), got 'fast'",
         env={"SPARSECONV_AUTOTUNE_EFFORT": "fast"}),
+    # every other switch raises at the first conv too, not when (or if) the code reading it runs
+    Bad("env-background-compile", lambda: snn.SparseConv3d(3, 4)(cloud()),
+        ValueError, r"SPARSECONV_BACKGROUND_COMPILE must be 1 or 0 .*got 'maybe'",
+        env={"SPARSECONV_BACKGROUND_COMPILE": "maybe"}),
+    Bad("env-shipped-tunings", lambda: snn.SparseConv3d(3, 4)(cloud()),
+        ValueError, r"SPARSECONV_SHIPPED_TUNINGS must be 1 or 0 .*got '2'", env={"SPARSECONV_SHIPPED_TUNINGS": "2"}),
+    Bad("env-autotune-log", lambda: snn.SparseConv3d(3, 4)(cloud()),
+        ValueError, r"SPARSECONV_AUTOTUNE_LOG must be 1 or 0 .*got 'ture'", env={"SPARSECONV_AUTOTUNE_LOG": "ture"}),
     # transposed convs need coarser coordinates of their batch to go back onto
     Bad("transposed-no-finer-coordinates", transposed_without_coarser_coordinates,
         ValueError, r"transposed conv from stride \(2, 2, 2\) to \(1, 1, 1\): no tensor of this batch has "

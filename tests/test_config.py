@@ -64,3 +64,25 @@ def test_product_settings_read_variables_set_changed_and_unset_after_import(monk
     assert config._getenv(name) == "" and config.product_settings("AtB_gather_gather")[0] is None
     monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "full")
     assert config.product_settings("AtB_gather_gather")[2] == "full"
+
+
+def test_a_misspelt_variable_is_warned_about_once_with_the_closest_name(monkeypatch):
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFROT", "full")
+    monkeypatch.setattr(config, "_WARNED", set())
+    with pytest.warns(UserWarning, match=r"SPARSECONV_AUTOTUNE_EFFROT is not a sparseconv setting and is ignored; "
+                                         r"did you mean SPARSECONV_AUTOTUNE_EFFORT\?"):
+        config.check_environment()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.check_environment()  # once a process
+
+
+@pytest.mark.parametrize(("variable", "value"), [("SPARSECONV_PLAN_MAPS", "maybe"), ("SPARSECONV_AUTOTUNE_LOG", "2")])
+def test_check_environment_raises_for_any_bad_switch(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=variable):
+        config.check_environment()
+    monkeypatch.setenv(variable, "off")
+    config.check_environment()

@@ -35,9 +35,10 @@ def check_algo(algo: Pin, namespace: str) -> str | tuple[str, ...] | None:
 
 
 def check_settings() -> None:
-    """Check every product's ``SPARSECONV_*`` settings now (the algorithm modes against the backend table):
-    ValueError naming the variable. Called at a batch's first map request, so that a bad wgrad mode fails
-    before the forward pass runs, not at its backward (~4 µs, once a batch)."""
+    """Check every ``SPARSECONV_*`` setting now (:func:`config.check_environment`, and the algorithm modes
+    against the backend table): ValueError naming the variable. Called at a batch's first map request, so that
+    a bad wgrad mode fails before the forward pass runs, not at its backward (~40 µs, once a batch)."""
+    config.check_environment()
     for namespace in NAMESPACES:
         # (product_settings checks effort and deterministic; resolve_mode the mode, as the tuner's first call would)
         resolve_mode(namespace, None, config.product_settings(namespace)[0])

@@ -1,14 +1,14 @@
 """A precompile hook a background compile worker can import (tests/tune is on its path): it
-waits for the file named by $SPARSECONV_TEST_RELEASE (if set) and appends its pid to the file
-named by $SPARSECONV_TEST_COMPILED, so a test sees which process compiled, and when."""
+waits for the file named by $SC_TEST_RELEASE (if set) and appends its pid to the file
+named by $SC_TEST_COMPILED, so a test sees which process compiled, and when."""
 
 from __future__ import annotations
 
 import os
 import time
 
-LOG = "SPARSECONV_TEST_COMPILED"
-RELEASE = "SPARSECONV_TEST_RELEASE"
+LOG = "SC_TEST_COMPILED"
+RELEASE = "SC_TEST_RELEASE"
 
 
 def precompile(namespace, problem, params, kernel_map) -> None:
