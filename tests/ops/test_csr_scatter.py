@@ -1,4 +1,4 @@
-"""explicit_gemm_csr (CPU): every conv mode's forward and gradients equal the dense reference (float64), and
+"""explicit_gemm_csr (CPU): every conv mode's forward and gradients (its forward and dgrad) equal the dense reference (float64), and
 it is left out where it cannot run (GPU tensors, half precision)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ NAME = "explicit_gemm_csr"
 def test_every_mode_equals_the_dense_reference_with_every_product_pinned_to_it(mode):
     x = make_input(mode, 3, "cpu")
     conv = make_conv(mode, 3, 4, "cpu")
-    conv.pins = type(conv.pins).checked(NAME, NAME, NAME)
+    conv.pins = type(conv.pins).checked(NAME, NAME, "explicit_gemm")  # (no scatter in wgrad: not its product)
     feats = x.feats.clone().requires_grad_()
     out = conv(x.replace(feats))
     ref = reference(conv, x, out, feats)
@@ -37,3 +37,17 @@ def test_it_runs_on_the_cpu_in_float32_and_float64_only():
     assert backend.supports(ConvProblem(**base, dtype=torch.float32, device=torch.device("cpu"))) is None
     assert "float16" in backend.supports(ConvProblem(**base, dtype=torch.float16, device=torch.device("cpu")))
     assert "CPU" in backend.supports(ConvProblem(**base, dtype=torch.float32, device=torch.device("cuda")))
+
+
+def test_the_auto_pool_holds_it_for_narrow_layers_of_many_offsets_only():
+    backend = registry.get(NAME)
+    base = dict(num_in=100, num_out=100, stride=(1, 1, 1), dilation=(1, 1, 1), transposed=False, generative=False,
+                dtype=torch.float32, device=torch.device("cpu"))
+    assert backend.candidates_params(ConvProblem(in_channels=16, out_channels=32, kernel_size=(3, 3, 3), **base),
+                                     "auto") == [{}]
+    assert backend.candidates_params(ConvProblem(in_channels=64, out_channels=64, kernel_size=(3, 3, 3), **base),
+                                     "auto") == []
+    assert backend.candidates_params(ConvProblem(in_channels=16, out_channels=16, kernel_size=(1, 1, 2), **base),
+                                     "auto") == []
+    assert backend.candidates_params(ConvProblem(in_channels=64, out_channels=64, kernel_size=(3, 3, 3), **base),
+                                     "trimmed") == [{}]
