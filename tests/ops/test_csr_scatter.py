@@ -39,14 +39,14 @@ def test_it_runs_on_the_cpu_in_float32_and_float64_only():
     assert "CPU" in backend.supports(ConvProblem(**base, dtype=torch.float32, device=torch.device("cuda")))
 
 
-def test_the_auto_pool_holds_it_for_narrow_layers_of_many_offsets_only():
+def test_the_auto_pool_holds_it_for_kernels_of_eight_offsets_or_more():
     backend = registry.get(NAME)
     base = dict(num_in=100, num_out=100, stride=(1, 1, 1), dilation=(1, 1, 1), transposed=False, generative=False,
                 dtype=torch.float32, device=torch.device("cpu"))
     assert backend.candidates_params(ConvProblem(in_channels=16, out_channels=32, kernel_size=(3, 3, 3), **base),
                                      "auto") == [{}]
-    assert backend.candidates_params(ConvProblem(in_channels=64, out_channels=64, kernel_size=(3, 3, 3), **base),
-                                     "auto") == []
+    assert backend.candidates_params(ConvProblem(in_channels=64, out_channels=64, kernel_size=(2, 2, 2), **base),
+                                     "auto") == [{}]
     assert backend.candidates_params(ConvProblem(in_channels=16, out_channels=16, kernel_size=(1, 1, 2), **base),
                                      "auto") == []
     assert backend.candidates_params(ConvProblem(in_channels=64, out_channels=64, kernel_size=(3, 3, 3), **base),
