@@ -83,3 +83,20 @@ def make_conv(mode: Mode, c_in: int, c_out: int, device, dtype=torch.float64) ->
 def reference(conv: SparseConv3d, x: SparseTensor, out: SparseTensor, feats: torch.Tensor) -> torch.Tensor:
     return dense_reference(x.coords, feats, x.stride, out.coords, out.stride, conv.dense_weight(),
                            conv.kernel_size, conv.stride, conv.dilation, conv.transposed, conv.bias)
+
+
+def assert_conv_matches_reference(conv: SparseConv3d, x: SparseTensor, tolerance: float = 1e-10) -> SparseTensor:
+    """``conv(x)``'s features and its gradients (input features, weight, bias) equal the dense reference's
+    (float64 inputs: ``tolerance`` relative and absolute); returns the output."""
+    feats = x.feats.clone().requires_grad_()
+    out = conv(x.replace(feats))
+    ref = reference(conv, x, out, feats)
+    assert out.feats.shape == ref.shape and len(out) > 0
+    torch.testing.assert_close(out.feats, ref, rtol=tolerance, atol=tolerance)
+    probe = torch.randn_like(ref)
+    params = [feats, conv.weight, conv.bias]
+    ours = torch.autograd.grad((out.feats * probe).sum(), params)
+    theirs = torch.autograd.grad((ref * probe).sum(), params)
+    for name, a, b in zip(("feats", "weight", "bias"), ours, theirs):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, msg=lambda m, name=name: f"grad of {name}: {m}")
+    return out

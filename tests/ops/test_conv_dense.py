@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICES
-from conv_cases import MODES, make_conv, make_input, reference, triple
+from conv_cases import MODES, assert_conv_matches_reference, make_conv, make_input, triple
 from sparse_reference import dense_reference, random_coords
 
 
@@ -13,20 +13,7 @@ from sparse_reference import dense_reference, random_coords
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_conv_forward_and_gradients_equal_dense_reference(mode, device):
     c_in, c_out = 3, 4
-    x = make_input(mode, c_in, device)
-    conv = make_conv(mode, c_in, c_out, device)
-    feats = x.feats.clone().requires_grad_()
-    out = conv(x.replace(feats))
-    ref = reference(conv, x, out, feats)
-    assert out.feats.shape == ref.shape and len(out) > 0
-    torch.testing.assert_close(out.feats, ref, rtol=1e-10, atol=1e-10)
-
-    probe = torch.randn_like(ref)
-    params = [feats, conv.weight, conv.bias]
-    ours = torch.autograd.grad((out.feats * probe).sum(), params)
-    theirs = torch.autograd.grad((ref * probe).sum(), params)
-    for name, a, b in zip(("feats", "weight", "bias"), ours, theirs):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+    assert_conv_matches_reference(make_conv(mode, c_in, c_out, device), make_input(mode, c_in, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conv_cases import MODES, make_conv, make_input, reference
+from conv_cases import MODES, assert_conv_matches_reference, make_conv, make_input
 
 from sparseconv.backends import registry
 from sparseconv.backends.problem import ConvProblem
@@ -18,16 +18,7 @@ def test_every_mode_equals_the_dense_reference_with_every_product_pinned_to_it(m
     x = make_input(mode, 3, "cpu")
     conv = make_conv(mode, 3, 4, "cpu")
     conv.pins = type(conv.pins).checked(NAME, NAME, "explicit_gemm")  # (no scatter in wgrad: not its product)
-    feats = x.feats.clone().requires_grad_()
-    out = conv(x.replace(feats))
-    ref = reference(conv, x, out, feats)
-    torch.testing.assert_close(out.feats, ref, rtol=1e-10, atol=1e-10)
-    probe = torch.randn_like(ref)
-    params = [feats, conv.weight, conv.bias]
-    ours = torch.autograd.grad((out.feats * probe).sum(), params)
-    theirs = torch.autograd.grad((ref * probe).sum(), params)
-    for name, a, b in zip(("feats", "weight", "bias"), ours, theirs):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+    assert_conv_matches_reference(conv, x)
 
 
 def test_it_runs_on_the_cpu_in_float32_and_float64_only():
