@@ -175,8 +175,10 @@ class Tuner:
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
                             return _REFERENCE, registry.get(FALLBACK), False
-                        if memo in self._stand_ins:
-                            self._stand_ins[memo] = (candidate, True)  # its kernels are loaded: the fast path above
+                        if self._stand_ins.get(memo, (None,))[0] == candidate:
+                            # The stand-in's kernels are loaded: the fast path above (not the reference a
+                            # sweep runs while its candidates compile, nor another rank's provisional pick).
+                            self._stand_ins[memo] = (candidate, True)
                         return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
@@ -271,11 +273,11 @@ class Tuner:
                 # other ranks run the pool's first until the choice is published.
                 return _Provisional(_REFERENCE), True
         choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
-        if fresh:
-            self.budget.spend(time.perf_counter() - started)
-            self._stand_ins.pop(memo, None)
+        timed_s = time.perf_counter() - started
         choice = _adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
         if fresh:
+            self.budget.spend(timed_s)
+            self._stand_ins.pop(memo, None)
             self._store(namespace, encoded, evidence.timings)
         log_sweep(namespace, encoded, pool, evidence.timings, choice, fresh)
         # Its compile may wait for the background only if it compiled and passed on this device

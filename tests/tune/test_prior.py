@@ -267,6 +267,32 @@ def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_ti
     assert tuner.budget.spent_s > 0
 
 
+def test_a_waiting_key_keeps_its_stand_in_after_a_sweep_that_ran_the_reference_while_compiling(monkeypatch):
+    from sparseconv.tune.budget import TimingBudget
+
+    calls = Calls()
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
+    weight = torch.randn(27, 4, 5)
+
+    def algorithm() -> str:
+        record: dict = {}
+        sparse_conv3d(x, weight, record=record, fwd_algo=["fake_speeds"])
+        return record[FWD]
+
+    with registered(_speeds(calls)):
+        _seed_cache(fastest=4)
+        tuner = sparseconv.tune.get_tuner()
+        tuner.budget = TimingBudget(share=0.0, burst=0.0)
+        assert algorithm() == algorithm() == "fake_speeds[level=4]"  # the stand-in, loaded
+        tuner.budget = TimingBudget()
+        # The budget allows a sweep, whose kernels compile in the background first (as on a GPU): the reference runs.
+        monkeypatch.setattr(tuner._compiles, "defer", lambda *args: True)
+        assert algorithm() == "explicit_gemm"
+        monkeypatch.undo()
+        tuner.budget = TimingBudget(share=0.0, burst=0.0)  # spent again before the sweep ran
+        assert algorithm() == "fake_speeds[level=4]"  # the stand-in again, not the reference
+
+
 @pytest.mark.parametrize("setting", ["full", "deterministic"])
 def test_effort_full_and_deterministic_mode_time_a_new_key_even_over_the_budget(monkeypatch, setting):
     from sparseconv.tune.budget import TimingBudget
