@@ -119,7 +119,7 @@ class TuneCache:
                 if not force and now - self._last_attempt < self.flush_interval_s:
                     return False
                 self._last_attempt = now
-                pending = {key: self._entries[key] for key in self._dirty}
+                pending = self._unflushed()
             return self._write_pending(pending, wait=force)
 
     def wait_for_writes(self, timeout: float | None = None) -> bool:
@@ -204,10 +204,14 @@ class TuneCache:
         """The writer thread's write: the keys a put handed, as memory holds them now (a clear() since then
         dropped them, a later put replaced them); tries the file's lock once."""
         with self._io_lock:
-            with self._mem_lock:
-                pending = {key: self._entries[key] for key in handed if key in self._dirty}
+            pending = self._unflushed(handed)
             if pending:
                 self._write_pending(pending, wait=False)
+
+    def _unflushed(self, keys: frozenset[Key] | None = None) -> Entries:
+        """The unflushed entries (of ``keys`` only, if given) as memory holds them now."""
+        with self._mem_lock:
+            return {key: self._entries[key] for key in (self._dirty if keys is None else keys) if key in self._dirty}
 
     def _register_exit(self) -> None:
         if not self._exit_registered:
@@ -240,8 +244,7 @@ class TuneCache:
         try:
             # Not through flush(): its _io_lock may be the writer thread's, which may be waiting for the
             # _mem_lock this (main) thread held when the signal came. The file lock alone orders the writes.
-            with self._mem_lock:
-                pending = {key: self._entries[key] for key in self._dirty}
+            pending = self._unflushed()
             if pending:
                 self._write(pending, wait=True)
         except Exception:  # noqa: BLE001 - in a signal handler raising helps no one
