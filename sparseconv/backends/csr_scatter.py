@@ -60,7 +60,7 @@ def _product(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, transpose:
             torch.mm(a[out_idx if transpose else in_idx], weights[k], out=stacked[start:end])
             start = end
     out = scatter @ stacked
-    if kernel_map.identity_offset is not None and 0 <= kernel_map.identity_offset < len(weights):
+    if kernel_map.identity_offset is not None:
         out += torch.mm(a, weights[kernel_map.identity_offset])
     return out
 
