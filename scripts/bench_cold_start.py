@@ -27,6 +27,15 @@ call, no shipped tunings), ``naive`` (every product pinned to explicit_gemm), an
 
     python scripts/bench_cold_start.py --scene street1 --dtype float16 --peers spconv
     python scripts/bench_cold_start.py --device cpu --dtype float32 --scale 0.05 --seconds 5 --peers   # dry run
+
+With ``--passes`` it runs instead a new user's first minutes, one fresh process per library (empty
+tuning, Triton, Warp and CuPy caches unless --warm-compilers): import torch, import the library, the
+first inference on one unseen cloud, the first training step on another, 20 inferences on further
+unseen clouds (the largest against the steady pass: ours after its background compiles finished),
+then a second scene's first inference and step (--second-scene). For ours, a second table says where
+each of those passes spent its seconds (cli.probes.PHASES: Warp and Triton builds, tuning, ...).
+
+    python scripts/bench_cold_start.py --passes --scene street1 --second-scene street4 --dtype float16 --peers spconv
 """
 
 from __future__ import annotations
@@ -83,15 +92,104 @@ def child(args) -> None:
                       "settled_ms": 1e3 * statistics.median(settled), "gpu_ms": gpu_ms(runner.step, device)}))
 
 
+def passes_child(args) -> None:
+    """``--passes`` in this fresh process: print the passes' times (and ours' phases) as one JSON line."""
+    start = time.perf_counter()
+    import torch
+    imported_torch = time.perf_counter() - start
+    start = time.perf_counter()
+    name = "ours" if args.config in OURS else args.config
+    if name in ("ours", "naive"):
+        import sparseconv  # noqa: F401
+    from sparseconv.cli.anchors import import_anchor
+    from sparseconv.cli.bench import Runner, sync, unseen_clouds
+    from sparseconv.cli.probes import phase_seconds
+    if name not in ("ours", "naive"):
+        import_anchor(name)
+    imported = time.perf_counter() - start
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    clouds = unseen_clouds(args.scene, 22, dtype, device, args.scale)
+    second = unseen_clouds(args.second_scene, 2, dtype, device, args.scale, first_seed=2000)
+    start = time.perf_counter()
+    runner = Runner(name, clouds[0].coords, dtype, device)
+    sync(device)
+    built = time.perf_counter() - start
+    passes, phases = {}, {}
+
+    def measured(label: str, cloud, kind: str) -> None:
+        runner.use(cloud)
+        passes[label], phases[label] = phase_seconds(lambda: (getattr(runner, kind)(), sync(device)))
+
+    measured("first inference", clouds[0], "infer")
+    measured("first step", clouds[1], "step")
+    after = []
+    for cloud in clouds[2:]:
+        runner.use(cloud)
+        begin = time.perf_counter()
+        runner.infer()
+        sync(device)
+        after.append(time.perf_counter() - begin)
+    if name == "ours":
+        import sparseconv.tune
+
+        sparseconv.tune.wait_for_compiles(args.timeout / 4)
+    steady = []
+    for cloud in clouds[2:12]:
+        runner.use(cloud)
+        begin = time.perf_counter()
+        runner.infer()
+        sync(device)
+        steady.append(time.perf_counter() - begin)
+    measured("new scene inference", second[0], "infer")
+    measured("new scene step", second[1], "step")
+    print(json.dumps({"import torch": imported_torch, "import": imported, "model": built, "passes": passes,
+                      "phases": phases, "after": after, "steady": statistics.median(steady)}))
+
+
+def passes_table(results: dict[str, dict], args) -> None:
+    """The ``--passes`` tables: per library the passes, then ours' phases per pass."""
+    print(f"\nA new user's first passes, {args.scene} then {args.second_scene} x{args.scale:g}, {args.dtype}, "
+          f"{args.device}, one fresh process each, compiler caches {'warm' if args.warm_compilers else 'empty'}, "
+          f"shipped tunings {'on' if args.shipped else 'off'}; seconds unless said")
+    header = ["library", "import torch", "import", "first inference", "first step", "next 20 inferences: worst / steady ms",
+              "new scene inference", "new scene step"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for name, result in results.items():
+        if "error" in result:
+            print(f"| {name} | failed: {result['error']} |")
+            continue
+        passes = result["passes"]
+        worst, steady = 1e3 * max(result["after"]), 1e3 * result["steady"]
+        cells = [f"{result['import torch']:.2f}", f"{result['import']:.2f}", f"{passes['first inference']:.2f}",
+                 f"{passes['first step']:.2f}", f"{worst:.0f} / {steady:.1f} ({worst / steady:.1f}x)",
+                 f"{passes['new scene inference']:.2f}", f"{passes['new scene step']:.2f}"]
+        print("| " + " | ".join([name, *cells]) + " |")
+    for name, result in results.items():
+        if name not in OURS or "error" in result:
+            continue
+        labels = list(result["passes"])
+        print(f"\n{name}: where each pass's seconds went (time inside the phase's functions; phases nest; "
+              "background workers not seen)")
+        print("| phase | " + " | ".join(labels) + " |\n|" + "---|" * (len(labels) + 1))
+        print("| wall | " + " | ".join(f"{result['passes'][label]:.2f}" for label in labels) + " |")
+        for phase in result["phases"][labels[0]]:
+            print(f"| {phase} | " + " | ".join(f"{result['phases'][label][phase]:.2f}" for label in labels) + " |")
+
+
 def run_config(config: str, args) -> dict:
     env = dict(os.environ, **OURS.get(config, {}))
     with tempfile.TemporaryDirectory() as tmp:
         env.update(SPARSECONV_CACHE_DIR=os.path.join(tmp, "sc"), TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        if args.passes and not args.warm_compilers:  # a fresh machine: Warp's kernel cache and CuPy's too
+            env.update(WARP_CACHE_PATH=os.path.join(tmp, "warp"), CUPY_CACHE_DIR=os.path.join(tmp, "cupy"))
+        elif args.passes:
+            env.pop("TRITON_CACHE_DIR")
         if not args.shipped:
             env["SPARSECONV_SHIPPED_TUNINGS"] = "0"
         command = [sys.executable, os.path.abspath(__file__), "--child", config, "--scene", args.scene,
                    "--dtype", args.dtype, "--device", args.device, "--scale", str(args.scale),
-                   "--seconds", str(args.seconds), "--steps", str(args.steps)]
+                   "--seconds", str(args.seconds), "--steps", str(args.steps), "--second-scene", args.second_scene,
+                   "--timeout", str(args.timeout)] + (["--passes"] if args.passes else [])
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -133,11 +231,18 @@ def main() -> None:
     parser.add_argument("--peers", nargs="*", default=["spconv"])
     parser.add_argument("--no-shipped", dest="shipped", action="store_false", help="SPARSECONV_SHIPPED_TUNINGS=0")
     parser.add_argument("--timeout", type=float, default=400.0, help="seconds per configuration")
+    parser.add_argument("--passes", action="store_true", help="a new user's first passes and where ours spends them")
+    parser.add_argument("--second-scene", default="street4", help="--passes: the scene met after --scene")
+    parser.add_argument("--warm-compilers", action="store_true",
+                        help="--passes: keep Warp's, Triton's and CuPy's caches (a second process on the machine)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         args.config = args.child
-        return child(args)
+        return (passes_child if args.passes else child)(args)
+    if args.passes:
+        configs = [c for c in args.configs if c in OURS or c == "naive"] or ["ours"]
+        return passes_table({config: run_config(config, args) for config in [*configs, *args.peers]}, args)
     rows = [(config, summary(run_config(config, args), args.seconds)) for config in [*args.configs, *args.peers]]
     print(f"\nCold start, {args.scene} x{args.scale:g}, {args.dtype}, {args.device}, shipped tunings "
           f"{'on' if args.shipped else 'off'}, empty tuning and Triton caches, new coordinates every step")

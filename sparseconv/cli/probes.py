@@ -1,18 +1,21 @@
 """Probes the benchmarks put around a pass: torch ops by the line of sparseconv that issued them, host
-syncs by line, Warp launches. Internal on purpose: what they count no public API reports."""
+syncs by line, Warp launches, a cold pass's seconds by phase. Internal on purpose: what they count no
+public API reports."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import sys
+import threading
 import time
 import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpSites", "count_syncs", "sync_sites", "warp_launches"]
+__all__ = ["PHASES", "OpSites", "count_syncs", "phase_seconds", "sync_sites", "warp_launches"]
 
 
 def warp_launches(fn) -> int:
@@ -73,3 +76,90 @@ def sync_sites(fn) -> collections.Counter:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+
+
+PHASES = (
+    ("imports (first use)", "builtins", "__import__"),
+    ("CUDA start (torch)", "torch.cuda", "_lazy_init"),
+    ("Warp start and kernel definitions", "sparseconv.coords.warp_kernels", "define"),
+    ("Warp module loads", "warp._src.context", "Module.load"),
+    ("  of which builds", "warp._src.context", "Module._compile"),
+    ("hash tables of new tensors", "sparseconv.coords.hashing", "CoordHashTable.build_checked"),
+    ("Triton compiles", "triton.compiler", "compile"),
+    ("Triton launches", "sparseconv.backends.triton_launch", "_launch"),
+    ("CUDA C++ compiles", "sparseconv.backends.cuda_jit", "_compile"),
+    ("compile workers started", "sparseconv.backends.compiling", "_spawn_worker"),
+    ("tuning sweeps", "sparseconv.tune.sweep", "sweep"),
+    ("reference products (explicit_gemm)", "sparseconv.backends.explicit", ("forward", "dgrad", "wgrad")),
+    ("torch matmuls (cuBLAS)", "torch", ("mm", "addmm", "bmm")),
+    ("cost model fits", "sparseconv.tune.prior", "CostModel.fit"),
+    ("shipped tunings read", "sparseconv.tune.shipped", "_load"),
+    ("tuning cache read", "sparseconv.tune.cache", "read_entries"),
+)
+"""A cold pass's phases: (label, module, function or functions), the seconds of a phase being the calling
+thread's time inside those functions (outermost calls; a module imported during the pass is timed from
+then on). Phases nest (a sweep compiles the candidates it times; a Warp load builds a module when its
+cache has none): a row is not a share of a sum; "in none of these" is the rest. Work in other threads
+and processes (background compile workers, the cache writer) is not seen: what is listed is what the
+caller waited for. Timing wrappers, not cProfile: Python 3.12's cProfile sees every thread's calls
+(sys.monitoring) and mixed their stacks into nonsense cumulative times on a cold GPU pass."""
+
+
+def phase_seconds(fn) -> tuple[float, dict[str, float]]:
+    """(wall seconds of one call of ``fn``, seconds per :data:`PHASES` label within it, plus "in none of these")."""
+    import builtins
+    import importlib
+
+    caller, seconds = threading.get_ident(), dict.fromkeys([label for label, _, _ in PHASES], 0.0)
+    depth, covered, patched = collections.Counter(), [0, 0.0], []
+
+    def timing(label, original):
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            if threading.get_ident() != caller or depth[label]:
+                return original(*args, **kwargs)
+            depth[label] += 1
+            covered[0] += 1
+            start = time.perf_counter()
+            if covered[0] == 1:
+                covered.append(start)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                seconds[label] += end - start
+                depth[label] -= 1
+                covered[0] -= 1
+                if covered[0] == 0:
+                    covered[1] += end - covered.pop()
+                if label == PHASES[0][0]:
+                    install()
+        return timed
+
+    def install():
+        for label, module_name, names in PHASES:
+            module = sys.modules.get(module_name) if module_name != "builtins" else builtins
+            for name in (names,) if isinstance(names, str) else names:
+                owner_name, _, attribute = name.rpartition(".")
+                owner = getattr(module, owner_name, None) if owner_name else module
+                if owner is None or (owner, attribute) in {(o, a) for o, a, _ in patched}:
+                    continue
+                raw = owner.__dict__.get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
+                if raw is None:
+                    continue
+                wrapped = (classmethod(timing(label, raw.__func__)) if isinstance(raw, classmethod)
+                           else timing(label, raw))
+                patched.append((owner, attribute, raw))
+                setattr(owner, attribute, wrapped)
+
+    importlib.invalidate_caches()
+    install()
+    start = time.perf_counter()
+    try:
+        fn()
+    finally:
+        wall = time.perf_counter() - start
+        for owner, attribute, raw in reversed(patched):
+            setattr(owner, attribute, raw)
+    seconds["in none of these"] = wall - covered[1]
+    return wall, seconds
