@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.features import channel_affine
+from ..ops.features import channel_affine, norm_affine
 from ..tensor import SparseTensor
 from . import functional as F
 from .features import OnFeatures, ReLU, check_channels, features_of, unwatched
@@ -60,8 +60,11 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
             other = features_of(residual, self)
             if other.shape != feats.shape:
                 return None  # the modules' own sum names the mismatch
-        scale, shift = self._affine(feats.dtype)
-        return SparseTensor._derived(channel_affine(feats, scale, shift, other, relu), input.cache, input.coord_id)
+        out = norm_affine(feats, self.running_mean, self.running_var, self.weight, self.bias, self.eps, other, relu)
+        if out is None:
+            scale, shift = self._affine(feats.dtype)
+            out = channel_affine(feats, scale, shift, other, relu)
+        return SparseTensor._derived(out, input.cache, input.coord_id)
 
     def _train(self, input: SparseTensor) -> SparseTensor:
         """Training with running statistics at a set momentum (the usual case): what torch's

@@ -188,13 +188,25 @@ def _eval_norm(channels, device, dtype):
 
 
 def _count_fused(monkeypatch):
-    """How often the norms' fused kernel path ran (sparseconv.ops.features.channel_affine with a ReLU or sum)."""
+    """The norms' fused passes (residual, relu) as they ran: sparseconv.ops.features.norm_affine from the
+    statistics, or channel_affine from the kept (scale, shift) pair where that declined."""
     from sparseconv.nn import norm as norm_module
 
     calls = []
-    original = norm_module.channel_affine
-    monkeypatch.setattr(norm_module, "channel_affine",
-                        lambda *args: calls.append(args) or original(*args))
+    from_statistics, from_pair = norm_module.norm_affine, norm_module.channel_affine
+
+    def statistics(feats, mean, var, weight, bias, eps, residual=None, relu=False):
+        out = from_statistics(feats, mean, var, weight, bias, eps, residual, relu)
+        if out is not None:
+            calls.append((residual, relu))
+        return out
+
+    def pair(feats, scale, shift, residual=None, relu=False):
+        calls.append((residual, relu))
+        return from_pair(feats, scale, shift, residual, relu)
+
+    monkeypatch.setattr(norm_module, "norm_affine", statistics)
+    monkeypatch.setattr(norm_module, "channel_affine", pair)
     return calls
 
 
@@ -208,7 +220,7 @@ def test_an_inference_norm_and_its_relu_run_fused_in_sequential_and_match_the_mo
         conv_out = block[0](x)
         expected = torch.relu(block[1](conv_out).feats)
         got = block(x)
-    assert len(calls) == 1 and calls[0][4] is True, "one fused pass, with the ReLU"
+    assert len(calls) == 1 and calls[0][1] is True, "one fused pass, with the ReLU"
     assert torch.allclose(got.feats, expected, atol=1e-5) and (got.feats == 0).any()
     assert torch.equal(got.coords, x.coords)
     # A hook on the ReLU sees its call: no fusion then. Training mode or autograd on: the modules too.
@@ -220,6 +232,27 @@ def test_an_inference_norm_and_its_relu_run_fused_in_sequential_and_match_the_mo
     assert len(seen) == 1 and len(calls) == 1 and torch.allclose(hooked.feats, expected, atol=1e-5)
     block(x)
     assert len(calls) == 1, "autograd on: the norm's own forward"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_fused_inference_norm_follows_statistics_a_training_step_changed(device, dtype, monkeypatch):
+    # Training between inferences (a validation loop) changes the statistics in place: the fused pass reads
+    # them as they are, whichever way it runs (from the statistics, or a (scale, shift) pair made again).
+    torch.manual_seed(2)
+    x = _batch(device, channels=8, dtype=dtype)
+    block = Sequential(_eval_norm(8, device, dtype), ReLU())
+    theirs = torch.nn.BatchNorm1d(8, device=device, dtype=dtype).eval()
+    calls = _count_fused(monkeypatch)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=4e-3)
+    for _ in range(2):
+        theirs.load_state_dict(block[0].state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(block(x).feats, torch.relu(theirs(x.feats)), **tolerance)
+        block.train()
+        block(x.replace(x.feats * 2 + 1))  # a training forward: the running statistics move
+        block.eval()
+    assert len(calls) == 2 and all(relu for _, relu in calls)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -242,6 +275,6 @@ def test_a_basic_blocks_inference_fuses_its_norms_and_matches_the_modules(device
             out = block.norm2(block.conv2(hidden))
             skip = x if block.shortcut is None else block.shortcut(x)
             expected = torch.relu(out.feats + skip.feats)
-        assert [call[3] is not None for call in calls] == [False, True], "norm1 with its ReLU, norm2 with the sum"
+        assert [call[0] is not None for call in calls] == [False, True], "norm1 with its ReLU, norm2 with the sum"
         assert torch.allclose(got.feats, expected, atol=1e-5)
         monkeypatch.undo()

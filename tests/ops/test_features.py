@@ -64,3 +64,43 @@ def test_the_norm_alone_stays_torchs_op(monkeypatch):
     feats, scale, shift, _ = _operands(16, 8, torch.float32, "cpu")
     monkeypatch.setattr(features, "launch_ready", lambda *a, **k: pytest.fail("launched for a lone affine map"))
     assert torch.allclose(features.channel_affine(feats, scale, shift), torch.addcmul(shift, feats, scale))
+
+
+def _statistics(c, dtype, device, affine):
+    mean = torch.randn(c, dtype=dtype, device=device)
+    var = torch.rand(c, dtype=dtype, device=device) * 4 + 0.05
+    weight = torch.randn(c, dtype=dtype, device=device) if affine else None
+    bias = torch.randn(c, dtype=dtype, device=device) if affine else None
+    return mean, var, weight, bias
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, stats_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("residual, relu", [(False, True), (True, True), (True, False)])
+def test_the_norm_from_its_statistics_matches_float64(device, dtype, stats_dtype, affine, residual, relu):
+    feats, _, _, other = _operands(300, 48, dtype, device)
+    other = other if residual else None
+    mean, var, weight, bias = _statistics(48, stats_dtype, device, affine)
+    got = features.norm_affine(feats, mean, var, weight, bias, 1e-3, other, relu)
+    assert got is not None, "the kernel takes these (GPU, or the interpreter)"
+    expected = (feats.double() - mean.double()) / (var.double() + 1e-3).sqrt()
+    if affine:
+        expected = expected * weight.double() + bias.double()
+    if other is not None:
+        expected = expected + other.double()
+    expected = expected.clamp_min(0) if relu else expected
+    assert got.dtype == dtype and got.shape == feats.shape
+    error = (got.double() - expected).abs().max().item()
+    assert error <= TOLERANCE[dtype] * expected.abs().max().item(), error
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_norm_from_its_statistics_declines_what_it_does_not_take(device):
+    feats, _, _, other = _operands(64, 48, torch.float32, device)
+    mean, var, weight, bias = _statistics(48, torch.float32, device, True)
+    assert features.norm_affine(feats[:, :32], mean[:32], var[:32], weight[:32], bias[:32], 1e-5) is None
+    assert features.norm_affine(feats, mean, var.double(), weight, bias, 1e-5) is None, "float64 statistics"
+    assert features.norm_affine(feats, mean[:32], var[:32], weight[:32], bias[:32], 1e-5) is None, "C mismatch"
+    assert features.norm_affine(feats, mean, var, weight, bias, 1e-5, other.double()) is None
