@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sparseconv.ops.pointwise import MIN_STEP, pointwise, row_step
+from sparseconv.backends.row_buckets import MIN_STEP, row_step
+from sparseconv.ops.pointwise import pointwise
 
 
 class MatmulShapes(TorchDispatchMode):
