@@ -57,3 +57,16 @@ def test_the_weight_gradient_s_padding_reaches_no_result_even_past_a_nan():
     finite = want.isfinite().flatten(1).all(1)
     assert finite.any() and (~finite).any(), "some offsets pair row 0, others not"
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-12, atol=1e-12)
+
+
+def test_padded_products_differentiate_where_a_caller_records_autograd():
+    # Called outside the conv op's autograd Function (operands that require grad): torch's own product,
+    # differentiable (products into a preallocated output would raise there).
+    from sparseconv.backends.row_buckets import padded_mm
+
+    rows = torch.randn(1013, 6, dtype=torch.float64, requires_grad=True)
+    matrix = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    out = padded_mm(rows, matrix)
+    torch.testing.assert_close(out, rows @ matrix)
+    out.sum().backward()
+    torch.testing.assert_close(matrix.grad, rows.detach().sum(0, keepdim=True).t().expand(6, 5))
