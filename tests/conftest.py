@@ -79,3 +79,21 @@ def view_gate(monkeypatch):
     gate = compiling.kernel_ready
     monkeypatch.setattr(compiling, "kernel_ready", lambda *args: True)
     return gate
+
+
+@pytest.fixture(params=[False, True], ids=["one_launch", "cpu_parts"])
+def cpu_query_parts(request, monkeypatch):
+    """Run twice: as is, then with every CPU hash-table query split into row ranges on three threads at once
+    (sparseconv.coords.hashing._cpu_chunks, whose size floor keeps the small sets of tests in one launch)."""
+    if not request.param:
+        yield False
+        return
+    from sparseconv.coords import hashing
+
+    monkeypatch.setattr(hashing, "CPU_CHUNK_LOOKUPS", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        yield True
+    finally:
+        torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ from sparse_reference import brute_force_map, offsets
 
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey, center_offset, offset_deltas
+from sparseconv.coords import hashing
 from sparseconv.coords.hashing import CoordHashTable, floor_sets
 from sparseconv.coords.keys import COORD_MAX, COORD_MIN, floor_masks, pack_coords
 
@@ -61,7 +62,7 @@ def _expected_output(source_rows, geometry, in_stride, out_stride, fine_rows):
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=coordinate_sets(), geometry=geometries())
-def test_kernel_map_equals_brute_force(rows, geometry, device):
+def test_kernel_map_equals_brute_force(rows, geometry, device, cpu_query_parts):
     s = geometry["input_stride"]
     stride = geometry["stride"]
     coords = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4) * torch.tensor([1, s, s, s], dtype=torch.int32)
@@ -343,3 +344,14 @@ def test_an_unviewed_map_shares_the_table_and_counts_but_no_view(device):
         unviewed = kernel_map.unviewed()
         assert (unviewed.lone, unviewed.fill_hint) == (True, (5, 50)) and unviewed.neighbors is kernel_map.neighbors
         assert [torch.equal(a, b) for a, b in zip(unviewed.pairs, pairs)] == [True] * 3  # built again, the same
+
+
+def test_cpu_queries_split_into_one_range_per_thread_each_worth_a_launch(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert hashing._cpu_chunks(100, 27) == [0, 100], "2700 lookups: one launch"
+    bounds = hashing._cpu_chunks(92401, 27)
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == 92401
+    assert all(b - a >= hashing.CPU_CHUNK_LOOKUPS // 27 for a, b in zip(bounds, bounds[1:]))
+    assert len(hashing._cpu_chunks(20000, 27)) == 3, "540k lookups: two ranges of at least 2^18"
+    monkeypatch.setattr(hashing, "CPU_CHUNK_LOOKUPS", 1)
+    assert hashing._cpu_chunks(2, 27) == [0, 1, 2], "never an empty range"

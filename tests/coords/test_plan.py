@@ -176,9 +176,9 @@ def test_only_a_batchs_first_set_is_planned_from(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_query_many_equals_one_query_per_map(device):
+def test_query_many_equals_one_query_per_map(device, monkeypatch):
     torch.manual_seed(7)
-    fine = random_coords(400, 12, batch_size=2, device=device)
+    fine = random_coords(400, 12, batch_size=2, device=device).int()  # the hash kernels read int32 coordinates
     # The input set's coordinates and table in arrays of their own, the coarse sets' together (as a
     # planned batch holds them): a query's flags pick the arrays.
     fine_table = CoordHashTable.build(fine)
@@ -202,7 +202,13 @@ def test_query_many_equals_one_query_per_map(device):
         out_base += len(sets[out]) * k ** 3 + 3
         offset_base += k ** 3
     flat = torch.full((out_base,), -7, dtype=torch.int32, device=device)
-    hashing.query_many((sets[0], coarse_coords), offsets, (fine_table, coarse_tables), flat, queries)
+    launches, in_parallel = [], hashing.warp_launch.in_parallel
+    with monkeypatch.context() as patch:
+        patch.setattr(hashing, "CPU_CHUNK_LOOKUPS", 1)  # on the CPU: in row ranges on threads at once
+        patch.setattr(hashing.warp_launch, "in_parallel", lambda fn, ranges: launches.append(ranges) or
+                      in_parallel(fn, ranges))
+        hashing.query_many((sets[0], coarse_coords), offsets, (fine_table, coarse_tables), flat, queries)
+    assert len(launches[0]) == (torch.get_num_threads() if device == "cpu" else 1)
     for (out, source, k, _), query in zip(plan_, queries):
         volume = k ** 3
         part = offsets[query.offset_base: query.offset_base + volume]
