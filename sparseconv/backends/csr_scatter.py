@@ -57,7 +57,7 @@ def _product(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, transpose:
     for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
         if k != kernel_map.identity_offset and len(in_idx):
             end = start + len(in_idx)
-            torch.mm(a[out_idx if transpose else in_idx], weights[k], out=stacked[start:end])
+            torch.mm(a.index_select(0, out_idx if transpose else in_idx), weights[k], out=stacked[start:end])
             start = end
     out = scatter @ stacked
     if kernel_map.identity_offset is not None:

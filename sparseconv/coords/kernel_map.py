@@ -389,6 +389,8 @@ def count_pairs(maps: list[KernelMap], counter: PairCounter | None = None) -> tu
 
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
     """(count, mask.dim()) int64 indices of the True entries of ``mask`` (``count`` of them), in row-major order."""
+    if mask.device.type == "cpu":  # no sync to save there, and nonzero runs on every core (nonzero_static on one)
+        return mask.nonzero()
     try:
         return torch.nonzero_static(mask, size=count)
     except (NotImplementedError, RuntimeError):  # a device without nonzero_static: one more sync

@@ -44,7 +44,7 @@ def max_pool3d(
     feats = input.feats
     index = out_idx[:, None].expand(-1, feats.shape[1])
     out = feats.new_zeros((kernel_map.num_out, feats.shape[1]))
-    out = out.scatter_reduce(0, index, feats[in_idx], reduce="amax", include_self=False)
+    out = out.scatter_reduce(0, index, feats.index_select(0, in_idx), reduce="amax", include_self=False)
     return SparseTensor._derived(out, input.cache, out_id)
 
 
@@ -61,7 +61,7 @@ def avg_pool3d(
     in_idx, out_idx, _ = kernel_map.pairs
     feats = input.feats
     sums = _accumulator(feats, (kernel_map.num_out, feats.shape[1]))
-    sums = sums.index_add(0, out_idx, feats[in_idx].to(sums.dtype))
+    sums = sums.index_add(0, out_idx, feats.index_select(0, in_idx).to(sums.dtype))
     counts = torch.bincount(out_idx, minlength=kernel_map.num_out).clamp_(min=1)
     out = (sums / counts[:, None].to(sums.dtype)).to(feats.dtype)
     return SparseTensor._derived(out, input.cache, out_id)
