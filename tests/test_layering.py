@@ -18,7 +18,7 @@ PACKAGE = ROOT / "sparseconv"
 # Lowest first, in the order data flows (docs/architecture.md). A module belongs to the longest
 # prefix that matches it (the prefix itself or prefix + ".").
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("settings", ("sparseconv._args", "sparseconv.config", "sparseconv.precision")),
+    ("settings", ("sparseconv._args", "sparseconv.config", "sparseconv.parallel", "sparseconv.precision")),
     ("coords", ("sparseconv.coords",)),
     ("tensor", ("sparseconv.tensor",)),
     ("backends", ("sparseconv.backends",)),

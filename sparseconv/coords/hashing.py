@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import parallel
 from . import warp_launch
 from .keys import EMPTY_KEY, pack_coords, unpack_keys
 
@@ -92,7 +93,7 @@ class CoordHashTable:
                                                               self.keys.shape[0] - 1, out[first:last]], coords.device)
 
             bounds = _cpu_chunks(m, k) if coords.device.type == "cpu" else [0, m]
-            warp_launch.in_parallel(launch, list(zip(bounds, bounds[1:])))
+            parallel.in_parallel(launch, list(zip(bounds, bounds[1:])))
         return out
 
 
@@ -259,7 +260,7 @@ def query_many(coords: Sequence[torch.Tensor], offsets: torch.Tensor, tables: Se
                            device)
 
     bounds = _cpu_chunks(starts[-1], volume) if device.type == "cpu" else [0, starts[-1]]
-    warp_launch.in_parallel(launch, list(zip(bounds, bounds[1:])))
+    parallel.in_parallel(launch, list(zip(bounds, bounds[1:])))
 
 
 CPU_CHUNK_LOOKUPS = 1 << 18
@@ -267,13 +268,12 @@ CPU_CHUNK_LOOKUPS = 1 << 18
 
 
 def _cpu_chunks(rows: int, volume: int) -> list[int]:
-    """Bounds of the row ranges a CPU query runs in parallel: one per torch thread, each at least
-    :data:`CPU_CHUNK_LOOKUPS` lookups. Warp's CPU kernels run on the calling thread alone (2.5M lookups of a
-    92k-voxel 3^3 map: ~85 ms on one core of a 2-core host); queries only read the table and write
-    disjoint entries (a row's own, and in the transposed table the one source row each offset pairs
-    it with), so ranges of rows may run at once."""
-    parts = max(1, min(torch.get_num_threads(), rows, rows * volume // CPU_CHUNK_LOOKUPS))
-    return [rows * i // parts for i in range(parts + 1)]
+    """Bounds of the row ranges a CPU query runs in parallel (:func:`sparseconv.parallel.ranges`). Warp's CPU
+    kernels run on the calling thread alone (2.5M lookups of a 92k-voxel 3^3 map: ~85 ms on one core of a
+    2-core host); queries only read the table and write disjoint entries (a row's own, and in the transposed
+    table the one source row each offset pairs it with), so ranges of rows may run at once. (Inserts may
+    not: Warp's CPU atomics are plain reads and writes.)"""
+    return parallel.ranges(rows, volume, CPU_CHUNK_LOOKUPS)
 
 
 def _rows_on(device: torch.device, rows: list[list[int]]) -> torch.Tensor:

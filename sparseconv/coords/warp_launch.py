@@ -3,10 +3,8 @@ stream, with each kernel's launch command recorded once and replayed with new bo
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
-import os
 import struct
 import threading
 from collections.abc import Callable
@@ -48,30 +46,6 @@ def launch(kernel, dim, inputs, device: torch.device) -> None:
         command.launch(stream)
         return
     replay(dim, inputs, stream)
-
-
-def in_parallel(launch: Callable[..., None], arguments: list[tuple]) -> None:
-    """``launch(*a)`` for every ``a`` in ``arguments``: the first on this thread, the others at once on a pool's
-    threads (Warp's CPU kernels run on their caller's thread, through ctypes, which lets go of the GIL while
-    they run); returns when all are done, raising the first error. One set of arguments: a plain call."""
-    if len(arguments) == 1:
-        launch(*arguments[0])
-        return
-    futures = [_pool().submit(launch, *a) for a in arguments[1:]]
-    try:
-        launch(*arguments[0])
-    finally:
-        errors = [f.exception() for f in futures]  # waits for every one: none may still write afterwards
-    for error in errors:
-        if error is not None:
-            raise error
-
-
-@functools.cache
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads for :func:`in_parallel` (started at its first parallel call, never at import)."""
-    return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
-                                                 thread_name_prefix="sparseconv-warp")
 
 
 class _Replay:

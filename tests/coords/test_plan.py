@@ -202,10 +202,10 @@ def test_query_many_equals_one_query_per_map(device, monkeypatch):
         out_base += len(sets[out]) * k ** 3 + 3
         offset_base += k ** 3
     flat = torch.full((out_base,), -7, dtype=torch.int32, device=device)
-    launches, in_parallel = [], hashing.warp_launch.in_parallel
+    launches, in_parallel = [], hashing.parallel.in_parallel
     with monkeypatch.context() as patch:
         patch.setattr(hashing, "CPU_CHUNK_LOOKUPS", 1)  # on the CPU: in row ranges on threads at once
-        patch.setattr(hashing.warp_launch, "in_parallel", lambda fn, ranges: launches.append(ranges) or
+        patch.setattr(hashing.parallel, "in_parallel", lambda fn, ranges: launches.append(ranges) or
                       in_parallel(fn, ranges))
         hashing.query_many((sets[0], coarse_coords), offsets, (fine_table, coarse_tables), flat, queries)
     assert len(launches[0]) == (torch.get_num_threads() if device == "cpu" else 1)
