@@ -42,3 +42,25 @@ def test_the_auto_pool_holds_it_for_kernels_of_eight_offsets_or_more():
                                      "auto") == []
     assert backend.candidates_params(ConvProblem(in_channels=64, out_channels=64, kernel_size=(3, 3, 3), **base),
                                      "trimmed") == [{}]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_the_scatter_matrix_has_one_one_per_pair_in_its_row_in_pair_order(mode):
+    from sparseconv.backends.csr_scatter import _scatter_matrix
+
+    x = make_input(mode, 3, "cpu")
+    make_conv(mode, 3, 4, "cpu")(x)
+    maps = [m for m in x.cache.kernel_maps() if m.kernel_volume > 1]
+    assert maps or mode.kernel_size in (1, (1, 1, 1)), "every mode but a 1x1x1 conv's makes a map"
+    for kernel_map in maps:
+        for side in ("out", "in"):
+            matrix = _scatter_matrix(kernel_map, side, torch.float64)
+            rows = [(o if side == "out" else i) for k, (i, o) in enumerate(kernel_map.per_offset)
+                    if k != kernel_map.identity_offset]
+            target = torch.cat(rows)
+            expected = torch.zeros(matrix.shape, dtype=torch.float64)
+            expected[target, torch.arange(len(target))] = 1
+            assert torch.equal(matrix.to_dense(), expected), (kernel_map.kernel_size, side)
+            columns, crow = matrix.col_indices(), matrix.crow_indices()
+            for r in range(matrix.shape[0]):
+                assert (columns[crow[r]:crow[r + 1]].diff() > 0).all(), "a row's columns in pair order"
