@@ -85,12 +85,14 @@ class CoordHashTable:
         m, k = coords.shape[0], offsets.shape[0]
         out = torch.empty((m, k), dtype=torch.int32, device=coords.device)
         if m and k:
-            query, coords = warp_launch.kernels().query_neighbors, coords.contiguous()
+            cpu, coords = coords.device.type == "cpu", coords.contiguous()
+            query = warp_launch.kernels().query_neighbor_rows if cpu else warp_launch.kernels().query_neighbors
             offsets = offsets.to(device=coords.device, dtype=torch.int32).contiguous()
 
             def launch(first: int, last: int) -> None:
-                warp_launch.launch(query, (last - first, k), [coords[first:last], offsets, self.keys, self.values,
-                                                              self.keys.shape[0] - 1, out[first:last]], coords.device)
+                warp_launch.launch(query, last - first if cpu else (last - first, k),
+                                   [coords[first:last], offsets, self.keys, self.values, self.keys.shape[0] - 1,
+                                    out[first:last]], coords.device)
 
             bounds = _cpu_chunks(m, k) if coords.device.type == "cpu" else [0, m]
             parallel.in_parallel(launch, list(zip(bounds, bounds[1:])))

@@ -167,6 +167,22 @@ def define() -> SimpleNamespace:
         neighbors[i, k] = lookup(shifted_key(coords, wp.int64(i), offsets, wp.int64(k)), table_keys, table_values,
                                  wp.int64(0), mask)
 
+    @wp.kernel
+    def query_neighbor_rows(
+        coords: wp.array2d(dtype=wp.int32),
+        offsets: wp.array2d(dtype=wp.int32),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+        neighbors: wp.array2d(dtype=wp.int32),
+    ):
+        # query_neighbors with a row's offsets in one thread: on a CPU, where "threads" run one after the
+        # other, a thread's own cost (its bounds, its arguments) is paid per row, not per row and offset.
+        i = wp.tid()
+        for k in range(offsets.shape[0]):
+            neighbors[i, k] = lookup(shifted_key(coords, wp.int64(i), offsets, wp.int64(k)), table_keys, table_values,
+                                     wp.int64(0), mask)
+
     @wp.func
     def floor_slot(key: wp.int64, table_keys: wp.array(dtype=wp.int64), base: wp.int64, mask: wp.int64) -> wp.int64:
         """The slot of ``key`` in the table at ``base`` (``mask + 1`` slots), inserted if absent; -1 if full."""
@@ -394,7 +410,8 @@ def define() -> SimpleNamespace:
         if found >= wp.int32(0) and transposed_base >= wp.int64(0):
             transposed[transposed_base + wp.int64(found) * volume + offset] = wp.int32(local)
 
-    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
+    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors,
+                           query_neighbor_rows=query_neighbor_rows, insert_checked=insert_checked,
                            query_maps=query_maps, floor_insert=floor_insert,
                            floor_firsts=floor_firsts, floor_compact=floor_compact, generate_cells=generate_cells,
                            generate_compact=generate_compact)
