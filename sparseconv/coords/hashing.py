@@ -85,14 +85,14 @@ class CoordHashTable:
         m, k = coords.shape[0], offsets.shape[0]
         out = torch.empty((m, k), dtype=torch.int32, device=coords.device)
         if m and k:
-            cpu, coords = coords.device.type == "cpu", coords.contiguous()
-            query = warp_launch.kernels().query_neighbor_rows if cpu else warp_launch.kernels().query_neighbors
+            query, coords = warp_launch.kernels().query_neighbors, coords.contiguous()
             offsets = offsets.to(device=coords.device, dtype=torch.int32).contiguous()
+            step = QUERY_STEP_CPU if coords.device.type == "cpu" else k  # (a row's offsets in one thread on a CPU)
 
             def launch(first: int, last: int) -> None:
-                warp_launch.launch(query, last - first if cpu else (last - first, k),
-                                   [coords[first:last], offsets, self.keys, self.values, self.keys.shape[0] - 1,
-                                    out[first:last]], coords.device)
+                warp_launch.launch(query, (last - first, step), [coords[first:last], offsets, self.keys, self.values,
+                                                                 self.keys.shape[0] - 1, out[first:last], step],
+                                   coords.device)
 
             bounds = _cpu_chunks(m, k) if coords.device.type == "cpu" else [0, m]
             parallel.in_parallel(launch, list(zip(bounds, bounds[1:])))
@@ -264,6 +264,9 @@ def query_many(coords: Sequence[torch.Tensor], offsets: torch.Tensor, tables: Se
     bounds = _cpu_chunks(starts[-1], volume) if device.type == "cpu" else [0, starts[-1]]
     parallel.in_parallel(launch, list(zip(bounds, bounds[1:])))
 
+
+QUERY_STEP_CPU = 1
+"""Threads per row of a CPU neighbour query (:func:`CoordHashTable.neighbors`; a GPU's: one per offset)."""
 
 CPU_CHUNK_LOOKUPS = 1 << 18
 """Lookups below which a CPU query runs as one launch (a thread's start costs more than what it would take)."""

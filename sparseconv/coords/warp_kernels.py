@@ -162,26 +162,17 @@ def define() -> SimpleNamespace:
         table_values: wp.array(dtype=wp.int32),
         mask: wp.int64,
         neighbors: wp.array2d(dtype=wp.int32),
+        step: wp.int32,
     ):
-        i, k = wp.tid()
-        neighbors[i, k] = lookup(shifted_key(coords, wp.int64(i), offsets, wp.int64(k)), table_keys, table_values,
-                                 wp.int64(0), mask)
-
-    @wp.kernel
-    def query_neighbor_rows(
-        coords: wp.array2d(dtype=wp.int32),
-        offsets: wp.array2d(dtype=wp.int32),
-        table_keys: wp.array(dtype=wp.int64),
-        table_values: wp.array(dtype=wp.int32),
-        mask: wp.int64,
-        neighbors: wp.array2d(dtype=wp.int32),
-    ):
-        # query_neighbors with a row's offsets in one thread: on a CPU, where "threads" run one after the
-        # other, a thread's own cost (its bounds, its arguments) is paid per row, not per row and offset.
-        i = wp.tid()
-        for k in range(offsets.shape[0]):
+        # Thread (i, j): row i's offsets j, j + step, ...: on a GPU one offset a thread (launched (rows, K), step
+        # K); on a CPU, where "threads" run one after the other and each pays its own setup, a row's offsets in
+        # one thread (launched (rows, 1), step 1): 128 -> 99 ms for a 92k-voxel 3^3 table on one core.
+        i, j = wp.tid()
+        k = j
+        while k < offsets.shape[0]:
             neighbors[i, k] = lookup(shifted_key(coords, wp.int64(i), offsets, wp.int64(k)), table_keys, table_values,
                                      wp.int64(0), mask)
+            k += step
 
     @wp.func
     def floor_slot(key: wp.int64, table_keys: wp.array(dtype=wp.int64), base: wp.int64, mask: wp.int64) -> wp.int64:
@@ -410,8 +401,7 @@ def define() -> SimpleNamespace:
         if found >= wp.int32(0) and transposed_base >= wp.int64(0):
             transposed[transposed_base + wp.int64(found) * volume + offset] = wp.int32(local)
 
-    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors,
-                           query_neighbor_rows=query_neighbor_rows, insert_checked=insert_checked,
+    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
                            query_maps=query_maps, floor_insert=floor_insert,
                            floor_firsts=floor_firsts, floor_compact=floor_compact, generate_cells=generate_cells,
                            generate_compact=generate_compact)

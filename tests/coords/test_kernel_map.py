@@ -111,6 +111,17 @@ def test_offsets_are_in_the_documented_order():
     assert center_offset((3, 3, 3)) == 13 and center_offset((5, 1, 3)) == 7 and center_offset((2, 3, 3)) is None
 
 
+@pytest.mark.parametrize("step", [1, 4, 27])
+def test_a_cpu_query_finds_the_same_neighbours_with_any_offsets_a_thread(step, monkeypatch):
+    # A GPU runs a thread per (row, offset) (step K = 27), a CPU a thread per row (step 1); any step covers every offset.
+    monkeypatch.setattr(hashing, "QUERY_STEP_CPU", step)
+    coords = torch.randint(0, 9, (600, 4), dtype=torch.int32)
+    coords[:, 0] %= 2
+    coords = coords.unique(dim=0)
+    found = CoordHashTable.build(coords).neighbors(coords, offset_deltas((3, 3, 3)).int())
+    assert found.tolist() == brute_force_map(coords, coords, (3, 3, 3), (1, 1, 1), 1)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_hash_table_finds_every_key_and_nothing_else_at_the_range_limits(device):
     corners = torch.tensor([[0, COORD_MIN, COORD_MIN, COORD_MIN], [4095, COORD_MAX, COORD_MAX, COORD_MAX],
