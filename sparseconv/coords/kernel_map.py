@@ -166,23 +166,16 @@ class KernelMap:
         built = None if self.kernels is None else self.kernels.pair_lists(self)
         if built is not None:
             return built
-        if self.neighbors.device.type == "cpu":
-            # The table transposed once, then 1-D ops (nonzero on every core, a gather of elements): a 92k-voxel
-            # subm3 map's pairs and counts 18 against 23-25 ms on 2 cores with the 2-D path below.
-            table = self.neighbors.t().contiguous().view(-1)
-            found = (table >= 0).nonzero().squeeze(1)
-            in_idx, out_idx = table.index_select(0, found).to(torch.int64), found % self.neighbors.shape[0]
-        else:
-            present = self.neighbors.t() >= 0
-            # The host already knows the pair count (pair_counts), so the compaction needs no sync.
-            found = _nonzero(present, self.num_pairs)
-            # out_idx in an allocation of its own (clone, not contiguous: CUDA's nonzero returns the
-            # transpose of a (2, P) buffer, whose second row starts at 8·P bytes, unaligned for odd P).
-            # Triton compiles a kernel per pointer alignment, so kernels compiled ahead of a sweep for
-            # aligned arrays were compiled again for such maps (H100, 2026-11-25).
-            offset_idx, out_idx = found[:, 0], found[:, 1].clone()
-            in_idx = self.neighbors[out_idx, offset_idx].to(torch.int64)
-        offset_ptr = torch.zeros(self.kernel_volume + 1, dtype=torch.int64, device=self.neighbors.device)
+        present = self.neighbors.t() >= 0
+        # The host already knows the pair count (pair_counts), so the compaction needs no sync.
+        found = _nonzero(present, self.num_pairs)
+        # out_idx in an allocation of its own (clone, not contiguous: CUDA's nonzero returns the
+        # transpose of a (2, P) buffer, whose second row starts at 8·P bytes, unaligned for odd P).
+        # Triton compiles a kernel per pointer alignment, so kernels compiled ahead of a sweep for
+        # aligned arrays were compiled again for such maps (H100, 2026-11-25).
+        offset_idx, out_idx = found[:, 0], found[:, 1].clone()
+        in_idx = self.neighbors[out_idx, offset_idx].to(torch.int64)
+        offset_ptr = torch.zeros(self.kernel_volume + 1, dtype=torch.int64, device=present.device)
         torch.cumsum(self.offset_counts, 0, out=offset_ptr[1:])
         return in_idx, out_idx, offset_ptr
 
@@ -396,6 +389,8 @@ def count_pairs(maps: list[KernelMap], counter: PairCounter | None = None) -> tu
 
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
     """(count, mask.dim()) int64 indices of the True entries of ``mask`` (``count`` of them), in row-major order."""
+    if mask.device.type == "cpu":  # no sync to save there, and nonzero runs on every core (nonzero_static on one)
+        return mask.nonzero()
     try:
         return torch.nonzero_static(mask, size=count)
     except (NotImplementedError, RuntimeError):  # a device without nonzero_static: one more sync
