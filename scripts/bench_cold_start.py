@@ -179,11 +179,11 @@ def passes_table(results: dict[str, dict], args) -> None:
 def run_config(config: str, args) -> dict:
     env = dict(os.environ, **OURS.get(config, {}))
     with tempfile.TemporaryDirectory() as tmp:
-        env.update(SPARSECONV_CACHE_DIR=os.path.join(tmp, "sc"), TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        env["SPARSECONV_CACHE_DIR"] = os.path.join(tmp, "sc")
+        if not (args.passes and args.warm_compilers):
+            env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
         if args.passes and not args.warm_compilers:  # a fresh machine: Warp's kernel cache and CuPy's too
             env.update(WARP_CACHE_PATH=os.path.join(tmp, "warp"), CUPY_CACHE_DIR=os.path.join(tmp, "cupy"))
-        elif args.passes:
-            env.pop("TRITON_CACHE_DIR")
         if not args.shipped:
             env["SPARSECONV_SHIPPED_TUNINGS"] = "0"
         command = [sys.executable, os.path.abspath(__file__), "--child", config, "--scene", args.scene,

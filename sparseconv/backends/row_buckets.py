@@ -29,11 +29,11 @@ def row_step(n: int) -> int:
 def padded_mm(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``rows @ matrix (+ bias)``: (N, C_out), in two products of bucketed shapes and no copy of ``rows``: the
     first N rounded down to a multiple of :func:`row_step`, then the rest padded with zero rows to one step."""
-    n, step = rows.shape[0], row_step(rows.shape[0])
-    head = n - n % step
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, matrix, bias)):
         # (products into ``out`` do not record autograd: a caller differentiating through this gets torch's own)
         return _product(rows, matrix, bias)
+    n, step = rows.shape[0], row_step(rows.shape[0])
+    head = n - n % step
     out = rows.new_empty(n, matrix.shape[1])
     if head:
         _product(rows[:head], matrix, bias, out[:head])

@@ -9,7 +9,7 @@ they are ordered with the surrounding torch work without extra synchronisation.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -94,8 +94,7 @@ class CoordHashTable:
                                                                  self.keys.shape[0] - 1, out[first:last], step],
                                    coords.device)
 
-            bounds = _cpu_chunks(m, k) if coords.device.type == "cpu" else [0, m]
-            parallel.in_parallel(launch, list(zip(bounds, bounds[1:])))
+            _in_row_ranges(launch, m, k, coords.device)
         return out
 
 
@@ -261,8 +260,7 @@ def query_many(coords: Sequence[torch.Tensor], offsets: torch.Tensor, tables: Se
                             transposed if transposed is not None else neighbors],  # never written without a base
                            device)
 
-    bounds = _cpu_chunks(starts[-1], volume) if device.type == "cpu" else [0, starts[-1]]
-    parallel.in_parallel(launch, list(zip(bounds, bounds[1:])))
+    _in_row_ranges(launch, starts[-1], volume, device)
 
 
 QUERY_STEP_CPU = 1
@@ -279,6 +277,13 @@ def _cpu_chunks(rows: int, volume: int) -> list[int]:
     table the one source row each offset pairs it with), so ranges of rows may run at once. (Inserts may
     not: Warp's CPU atomics are plain reads and writes.)"""
     return parallel.ranges(rows, volume, CPU_CHUNK_LOOKUPS)
+
+
+def _in_row_ranges(launch: Callable[[int, int], None], rows: int, volume: int, device: torch.device) -> None:
+    """``launch(first, last)`` over ``rows`` rows of ``volume`` lookups each: on a CPU in :func:`_cpu_chunks`' ranges
+    at once, elsewhere once over all rows."""
+    bounds = _cpu_chunks(rows, volume) if device.type == "cpu" else [0, rows]
+    parallel.in_parallel(launch, list(zip(bounds, bounds[1:])))
 
 
 def _rows_on(device: torch.device, rows: list[list[int]]) -> torch.Tensor:
