@@ -17,7 +17,9 @@ every product pinned to explicit_gemm (gather, mm, scatter-add in torch). With -
 atomics-free algorithms), the row after ours: what bitwise-repeatable runs cost. With --lazy-maps,
 "ours_lazy_maps" is ours with SPARSECONV_PLAN_MAPS=0 (each kernel map built when a layer first asks
 for it, instead of a new batch building the maps the last batches asked for at once), in the
-alternating rounds too: what planning the maps saves.
+alternating rounds too: what planning the maps saves. With --graphed, "ours_graphed" is ours' inference
+through sparseconv.graphed (the pass replayed from a CUDA graph per capacity bucket; maps built eagerly
+per batch); it has no training step.
 
 Columns, per scene, dtype and library (milliseconds unless named; medians of --repeats):
   infer / step      inference (no_grad, eval) and one training step (forward, cross-entropy,
@@ -53,6 +55,7 @@ spconv cannot reuse a strided conv's map. ``--maps-only`` prints that table alon
     python scripts/bench_network.py --scenes street1 street4 room2 --dtypes float16 --peers spconv --rounds-only --repeats 15
     python scripts/bench_network.py --scenes street1 street4 room2 --dtypes float16 --peers --deterministic
     python scripts/bench_network.py --scenes street1 room2 --dtypes float16 --peers spconv --lazy-maps
+    python scripts/bench_network.py --scenes street1 street4 room2 --dtypes float16 --peers spconv --rounds-only --graphed
     python scripts/bench_network.py --scenes street1 street4 --dtypes float16 --peers spconv --model backbone
     python scripts/bench_network.py --device cpu --scale 0.05 --repeats 2 --peers naive   # dry run
 """
@@ -118,6 +121,8 @@ def run_network(name: str, coords, dtype, device, repeats: int, model: str = "mi
         row["infer"], row["host"] = timed(runner.infer, device, repeats)
         row["infer="], _ = timed(lambda: runner.infer(same=True), device, repeats)
         row["gpu"] = gpu_ms(runner.infer, device)
+        if name == "ours_graphed":  # inference only
+            return row
         try:
             train_columns(runner, device, repeats, row)
         except Exception as error:  # noqa: BLE001
@@ -247,12 +252,16 @@ def print_rounds(alternated: dict, args) -> None:
                 cells["peak GB"] = kinds["peak GB"]
             print(f"| {scene} | {voxels} | {dtype_name} | {library} | " + " | ".join(fmt(cells[c]) for c in columns)
                   + " |")
-        anchor, ours = times.get("spconv"), times.get("ours")
-        if anchor is not None and ours is not None:
+        anchor = times.get("spconv")
+        for name in ("ours", "ours_graphed"):
+            ours = times.get(name)
+            if anchor is None or ours is None:
+                continue
             per_round = [f"{statistics.median(a / b for a, b in zip(anchor[kind], ours[kind])):.2f}x"
                          if anchor.get(kind) and ours.get(kind) else "-" for kind in ROUND_KINDS]
-            memory = f"; step peak memory {fmt(ours['peak GB'])} vs {fmt(anchor['peak GB'])} GB" if unseen else ""
-            ratios.append(f"{scene} {dtype_name} {args.model}: ours over spconv ({args.rounds} rounds, median of "
+            memory = (f"; step peak memory {fmt(ours['peak GB'])} vs {fmt(anchor['peak GB'])} GB"
+                      if unseen and name == "ours" else "")
+            ratios.append(f"{scene} {dtype_name} {args.model}: {name} over spconv ({args.rounds} rounds, median of "
                           f"per-round ratios): inference {per_round[0]}, training step {per_round[1]}" + memory)
     print("\n".join(ratios))
 
@@ -380,6 +389,8 @@ def main() -> None:
                         help="the alternating rounds alone (no per-library table, no map table)")
     parser.add_argument("--lazy-maps", action="store_true",
                         help="also run ours with SPARSECONV_PLAN_MAPS=0 (the row ours_lazy_maps, alternating rounds too)")
+    parser.add_argument("--graphed", action="store_true",
+                        help="also run ours' inference in graph mode (sparseconv.graphed: the row ours_graphed)")
     parser.add_argument("--deterministic", action="store_true",
                         help="also run ours in deterministic mode (the row ours_deterministic)")
     args = parser.parse_args()
@@ -389,7 +400,8 @@ def main() -> None:
     print(f"model: {args.model}; device: {name}; torch {torch.__version__}; median of {args.repeats} passes (ms); "
           f"tuning cache {os.environ['SPARSECONV_CACHE_DIR']}")
     libraries = ["ours", *(["ours_deterministic"] if args.deterministic else []),
-                 *(["ours_lazy_maps"] if args.lazy_maps else []), *args.peers]
+                 *(["ours_lazy_maps"] if args.lazy_maps else []), *(["ours_graphed"] if args.graphed else []),
+                 *args.peers]
     scenes = {scene: scene_coords(scene, args.scale).to(device) for scene in args.scenes}
     if args.profile:
         profile_ours(args.scenes[0], getattr(torch, args.dtypes[0]), device, args)

@@ -305,6 +305,14 @@ def pool(problem: ConvProblem, level: str) -> list[Mapping]:
     return tk.pool_on(problem, level, SPACE, auto)
 
 
+def table_tiles(problem: ConvProblem) -> list[Mapping]:
+    """The parameter sets over a table alone, its rows unsorted (:data:`TABLE_TILES`: the 16-wide ones where no
+    channel count exceeds 16): what a product over a fixed-size table with rows of -1 past its count runs (a
+    graphed pass, :mod:`sparseconv.ops.capacity`), where a sort or a tile plan would read the map's counts."""
+    tiles = NARROW_TABLE_TILES if max(problem.in_channels, problem.out_channels) <= 16 else WIDE_TABLE_TILES
+    return [_table_params(t, False) for t in tiles]
+
+
 MASK_IMPLICIT_GEMM = register(
     Backend(
         name="mask_implicit_gemm",

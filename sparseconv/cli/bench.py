@@ -25,7 +25,7 @@ from torch import nn
 
 from ..data import make_scene
 from ..models import MinkUNet, SparseResNetBackbone
-from ..nn import SparseConv3d
+from ..nn import SparseConv3d, graphed
 from ..tensor import SparseTensor
 from ..tune import wait_for_compiles
 from ..tune.timing import Timer, TimingPlan
@@ -161,7 +161,8 @@ def ours_model(pins: dict | None = None, model: str = "minkunet", coords: torch.
 class Runner:
     """One library's network on one scene: how to make its input and read its logits.
 
-    ``name``: "ours", "ours_lazy_maps" (ours with SPARSECONV_PLAN_MAPS=0), "naive" (:data:`NAIVE_PINS`),
+    ``name``: "ours", "ours_lazy_maps" (ours with SPARSECONV_PLAN_MAPS=0), "ours_graphed" (ours' inference
+    through :func:`sparseconv.graphed`: CUDA-graph replays; no training step), "naive" (:data:`NAIVE_PINS`),
     or an anchor ("spconv", "spconv_triton"; RuntimeError when it does not import); ``native`` trains an
     anchor with its ConvAlgo.Native; ``model`` one of :data:`MODELS`.
     """
@@ -169,7 +170,8 @@ class Runner:
     def __init__(self, name: str, coords: torch.Tensor, dtype: torch.dtype, device: torch.device, native: bool = False,
                  model: str = "minkunet") -> None:
         self.lazy_maps = name == "ours_lazy_maps"
-        name = "ours" if self.lazy_maps else name
+        graph_mode = name == "ours_graphed"
+        name = "ours" if self.lazy_maps or graph_mode else name
         self.name, self.device, self.model = name, device, model
         if name in ("ours", "naive"):
             self.net = ours_model(NAIVE_PINS if name == "naive" else None, model, coords).to(device, dtype)
@@ -186,6 +188,7 @@ class Runner:
         self.use(Cloud.random(coords, dtype))
         if self.lazy_maps:
             self.infer, self.step = functools.partial(_lazily, self.infer), functools.partial(_lazily, self.step)
+        self.graphed = graphed(self.net) if graph_mode else None
 
     def use(self, cloud: Cloud) -> None:
         """The cloud the next new-input passes read (a data loader's batch): an anchor's input is prepared
@@ -236,7 +239,7 @@ class Runner:
         if self.net.training:  # an inference loop sets the mode once, not every pass (~1 ms of host time)
             self.net.eval()
         with torch.no_grad():
-            out = self.net(self.make_input(same))
+            out = (self.net if self.graphed is None else self.graphed)(self.make_input(same))
             if self.model == "backbone" and self.name not in ("ours", "naive"):
                 self.logits(out)  # spconv's dense map: ours makes its BEV map in the forward
         if same and self.name not in ("ours", "naive"):
@@ -244,6 +247,8 @@ class Runner:
 
     def step(self, same: bool = False) -> None:
         """One training step (forward, loss, backward, SGD), on new coordinates or the kept input."""
+        if self.graphed is not None:
+            raise RuntimeError("graph mode (sparseconv.graphed) runs inference only")
         if not self.net.training:
             self.net.train()
         self.optimizer.zero_grad(set_to_none=True)

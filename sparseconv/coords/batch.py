@@ -115,6 +115,9 @@ class Batch:
         self.planned: dict[KernelMapKey, tuple[KernelMap, int]] = {}
         self.uses: dict[int, MapUse] = {}
         """By the map's id: a use holds its map, so no other map takes the id while the batch lives."""
+        self.capacity = None
+        """A graphed pass's fixed-size maps (a :class:`sparseconv.ops.capacity.CapacityMaps`, above this floor): its
+        convs run over them instead of asking for maps; None in every batch of real coordinates."""
 
     def use(self, kernel_map: KernelMap) -> MapUse:
         """The map's :class:`MapUse` in this batch (made on first use)."""

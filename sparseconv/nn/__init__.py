@@ -20,6 +20,7 @@ from .features import (
     Tanh,
 )
 from .functional import cat
+from .graphed import GraphedModule, graphed
 from .norm import BatchNorm, GroupNorm, InstanceNorm, LayerNorm, SyncBatchNorm
 from .pool import GlobalAvgPool, GlobalMaxPool, SparseAvgPool3d, SparseMaxPool3d
 
@@ -31,6 +32,7 @@ __all__ = [
     "Features",
     "GlobalAvgPool",
     "GlobalMaxPool",
+    "GraphedModule",
     "GroupNorm",
     "InstanceNorm",
     "LayerNorm",
@@ -49,4 +51,5 @@ __all__ = [
     "ToDense",
     "cat",
     "functional",
+    "graphed",
 ]

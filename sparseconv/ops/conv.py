@@ -130,9 +130,13 @@ def checked_conv3d(
                 record.update({"ABt_gather_scatter": MATMUL, "AtB_gather_gather": MATMUL})
         return SparseTensor._derived(out, input.cache, input.coord_id)
     key = KernelMapKey(input.coord_id, kernel_size, stride, dilation, transposed, generative)
-    kernel_map, use, out_id = batch.kernel_map(input.cache, key)
     layer = (weight.shape[1], weight.shape[2], kernel_size, stride, dilation, transposed, generative,
              feats.dtype, feats.device)
+    capacity = input.cache.batch.capacity
+    if capacity is not None:  # a graphed pass (sparseconv.graphed): fixed-size tables, no map request, no tuner
+        out, out_id = capacity.conv(feats, weight, key, layer)
+        return SparseTensor._derived(out if bias is None else out + bias, input.cache, out_id)
+    kernel_map, use, out_id = batch.kernel_map(input.cache, key)
     problem = layer_problem(kernel_map, layer)
     if torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad):
         out = SparseConvFunction.apply(feats, weight, kernel_map, use, problem, pins, record)

@@ -1,0 +1,169 @@
+"""graphed: a network's inference replayed from a CUDA graph on new point clouds, one graph per capacity bucket.
+
+An eager pass spends most of its time on the host (Python per layer, the tuner's dispatch, small launches); a
+replayed CUDA graph issues the whole pass in one call. A graph replays fixed sizes, so the pass it captures runs
+on fixed-size buffers (:mod:`sparseconv.ops.capacity`): each coordinate set of the batch has a capacity (its
+count times ``margin``, rounded up to a bucket) and each kernel map a neighbour table of its output set's capacity.
+Per call the batch's maps are built eagerly as ever (the map plan, with its host syncs), copied into the tables of
+the first captured graph whose capacities the batch fits, the features copied in, the graph replayed and the
+output's valid rows copied out; a batch that fits no graph is captured into a new one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import tune
+from ..coords.kernel_map import KernelMap, KernelMapKey
+from ..ops import batch
+from ..ops.capacity import CapacityCache, CapacityMaps, capacity_of
+from ..tensor import SparseTensor
+
+
+def graphed(module: nn.Module, margin: float = 1.1, capture: bool | None = None) -> GraphedModule:
+    """``module``'s inference on new point clouds, replayed from CUDA graphs: a callable taking the
+    SparseTensor ``module`` takes and returning the SparseTensor it returns (equal to the eager pass's, but for
+    the rounding of differently ordered sums: its convs run the unsorted table kernels).
+
+    The module must be in eval mode; its pass may use convolutions (any kind: submanifold, strided, transposed,
+    generative), 1x1 convs, BatchNorm, activations, concatenations and residual sums, but not pooling or
+    per-sample norms, and must ask the same kernel maps of every batch. Parameters and buffers are read where they
+    live at each replay: update them in place (``load_state_dict``, an optimiser), never by assigning new tensors.
+
+    ``margin``: each coordinate set's capacity is its count on the captured batch times ``margin``, rounded up
+    (:func:`~sparseconv.ops.capacity.capacity_of`): clouds whose sets are at most that much larger replay the
+    same graph. Each captured graph holds its own memory (the pass's activations at capacity, the tables).
+    ``capture``: capture CUDA graphs (default: on CUDA; on the CPU, where a replay saves nothing, the default
+    runs the module itself); ``capture=False``: the same fixed-size pass runs eagerly, uncaptured (what CI
+    checks on the CPU).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not margin >= 1.0:
+        raise ValueError(f"margin must be a number >= 1.0, got {margin!r}")
+    return GraphedModule(module, float(margin), capture)
+
+
+class GraphedModule:
+    """What :func:`graphed` returns: call it like the module. ``captures``: the graphs captured so far (one per
+    capacity bucket met); ``buckets``: each one's capacities (rows per coordinate set, in the recorded order)."""
+
+    def __init__(self, module: nn.Module, margin: float, capture: bool | None) -> None:
+        self.module, self.margin, self._capture = module, margin, capture
+        self._requests: list[tuple[KernelMapKey, int]] | None = None
+        self._input_id = 0
+        self._graphs: list[_Graph] = []
+
+    @property
+    def captures(self) -> int:
+        return len(self._graphs)
+
+    @property
+    def buckets(self) -> list[list[int]]:
+        return [list(graph.maps.capacities.values()) for graph in self._graphs]
+
+    def __call__(self, input: SparseTensor) -> SparseTensor:
+        if not isinstance(input, SparseTensor):
+            raise TypeError(f"input must be a SparseTensor, got {type(input).__name__}")
+        if self.module.training:
+            raise ValueError("sparseconv.graphed runs inference: call module.eval() first (a training pass's "
+                             "BatchNorm reads statistics of the batch, which a graph over padded rows cannot)")
+        with torch.no_grad():
+            if self._capture is None and not input.feats.is_cuda:
+                return self.module(input)
+            if self._requests is None:
+                self._record(input)
+            maps, rows, sets = self._build_maps(input)
+            graph = next((g for g in self._graphs if g.takes(input, rows)), None)
+            if graph is None:
+                graph = self._new_graph(input, maps, rows)
+            return graph.run(input, maps, rows, sets)
+
+    def _record(self, input: SparseTensor) -> None:
+        """Run the module eagerly once and keep the kernel maps it asked for, in order (the next batches'
+        maps are requested in that order, so that each set gets the same place)."""
+        out = self.module(input)
+        if not isinstance(out, SparseTensor) or out.cache is not input.cache:
+            raise TypeError("sparseconv.graphed: the module must return a SparseTensor derived from its input, got "
+                            f"{type(out).__name__}")
+        cache = input.cache
+        self._requests = [(key, cache.built_map(key)[1]) for key in cache.built_keys()]
+        self._input_id = input.coord_id
+
+    def _build_maps(self, input: SparseTensor) -> tuple[dict[KernelMapKey, KernelMap], dict[int, int], dict[int, int]]:
+        """This batch's maps by the recorded keys, the rows of its sets and their ids, by recorded set id."""
+        sets = {self._input_id: input.coord_id}
+        rows = {self._input_id: len(input)}
+        maps = {}
+        for key, out_id in self._requests:
+            kernel_map, _, sets[out_id] = batch.kernel_map(input.cache, key._replace(source=sets[key.source]))
+            maps[key] = kernel_map
+            rows[out_id] = kernel_map.num_out
+        return maps, rows, sets
+
+    def _new_graph(self, input: SparseTensor, maps: dict[KernelMapKey, KernelMap], rows: dict[int, int]) -> _Graph:
+        capacities = {set_id: capacity_of(count, self.margin) for set_id, count in rows.items()}
+        capture = self._capture is not False
+        if capture and not input.feats.is_cuda:
+            raise ValueError(f"capture=True needs a CUDA input, got features on {input.feats.device}")
+        graph = _Graph(self.module, CapacityMaps(self._requests, capacities, input.device), input, self._input_id)
+        graph.prepare(maps, capture)
+        self._graphs.append(graph)
+        return graph
+
+
+class _Graph:
+    """One capacity bucket: its tables, the input buffer, and the captured graph (or, without capture, the
+    module to run over them)."""
+
+    def __init__(self, module: nn.Module, maps: CapacityMaps, input: SparseTensor, input_id: int) -> None:
+        self.module, self.maps = module, maps
+        self.feats = input.feats.new_zeros((maps.capacities[input_id], input.feats.shape[1]))
+        self.input = SparseTensor._derived(self.feats, CapacityCache(maps, input.device), input_id)
+        self.input_id = input_id
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: SparseTensor | None = None
+
+    def takes(self, input: SparseTensor, rows: dict[int, int]) -> bool:
+        feats = input.feats
+        return (feats.dtype == self.feats.dtype and feats.shape[1] == self.feats.shape[1]
+                and feats.device == self.feats.device and self.maps.fits(rows))
+
+    def prepare(self, maps: dict[KernelMapKey, KernelMap], capture: bool) -> None:
+        """A warm-up pass over the tables loaded with ``maps`` (each conv times its tiles and compiles them);
+        then, with ``capture``, the pass captured once the kernels compiling in the background are in."""
+        self.maps.load(maps)
+        self.maps.choosing = True
+        try:
+            self.out = self._pass()
+        finally:
+            self.maps.choosing = False
+        if not capture:
+            return
+        tune.wait_for_compiles()
+        self._pass()  # what compiled in the background runs once before the capture
+        torch.cuda.synchronize(self.feats.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.out = self._pass()
+        self.graph = graph
+
+    def _pass(self) -> SparseTensor:
+        out = self.module(self.input)
+        if not isinstance(out, SparseTensor) or out.cache is not self.input.cache:
+            raise TypeError("sparseconv.graphed: the module must return a SparseTensor derived from its input, got "
+                            f"{type(out).__name__}")
+        return out
+
+    def run(self, input: SparseTensor, maps: dict[KernelMapKey, KernelMap], rows: dict[int, int],
+            sets: dict[int, int]) -> SparseTensor:
+        """The pass on ``input`` (its ``maps``, the ``rows`` of its sets, its set ids: by recorded set id)."""
+        self.feats[: len(input)].copy_(input.feats)
+        self.maps.load(maps)
+        if self.graph is not None:
+            self.graph.replay()
+            out = self.out
+        else:
+            out = self._pass()
+        return SparseTensor._derived(out.feats[: rows[out.coord_id]].clone(), input.cache, sets[out.coord_id])

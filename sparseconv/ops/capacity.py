@@ -1,0 +1,147 @@
+"""Capacity passes: a network's convolutions over neighbour tables of fixed sizes, for CUDA-graph capture.
+
+A captured pass replays the same launches with the same sizes on every point cloud, so what changes between
+clouds must live in buffers the launches read. In a capacity pass every coordinate set of the batch has a
+*capacity* (rows of its features: at least its count) and every kernel map is a (capacity of its output set, K)
+int32 neighbour table whose rows past the map's output count hold -1 (:class:`CapacityMaps`). A conv is then one
+launch over its table (:func:`conv`: mask_implicit_gemm's product over a table, which visits the offsets its
+rows have: a row of -1 reads nothing and stores zeros), sized by the capacities, never by the cloud, and with no
+host synchronisation. Rows past a set's count hold whatever the pass computes there; no valid row reads them (a
+table's valid rows name valid rows only) and row-wise operations (norms, activations, 1x1 convs,
+concatenations, residual sums) keep rows apart, so they never change a result.
+
+The batch's real maps are built eagerly (the map plan, host syncs and all) and copied into the tables before
+each replay (:meth:`CapacityMaps.load`); what is captured is everything after that: the features' whole pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from ..backends import mask_triton
+from ..backends.problem import layer_problem
+from ..coords.batch import Batch
+from ..coords.kernel_map import KernelMap, KernelMapKey
+from ..tune.timing import Timer, TimingPlan
+
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+TIMING = TimingPlan(warmup=1, repeats=5, flush_l2=False, min_repeats=3)
+"""How a capacity conv's table tiles are timed (once per layer and capacity bucket, before capture)."""
+
+
+def capacity_of(rows: int, margin: float) -> int:
+    """The capacity bucket of a set of ``rows`` rows: ``rows * margin`` rounded up to a multiple of its
+    largest power of two over 8 (6-12% steps; at least 16 rows): clouds whose sets grow by less than the
+    margin fit the bucket of the first, and the 1x1 products' row buckets divide it (one cuBLAS shape)."""
+    target = max(16, int(rows * margin) + 1)
+    step = 1 << max(0, target.bit_length() - 4)
+    return -(-target // step) * step
+
+
+class CapacityMaps:
+    """One capture's kernel maps as fixed-size neighbour tables.
+
+    ``requests``: the maps a recorded pass asked for, in order, as (key, id of its output set) with set ids
+    of the recorded batch; ``capacities``: rows per set id of the recorded batch; ``volumes``: per request,
+    its kernel volume. Each request gets a (capacity of its output set, K) int32 table filled with -1
+    (:attr:`tables`) and a :class:`KernelMap` over it whose input count is its source set's capacity.
+    """
+
+    def __init__(self, requests: Sequence[tuple[KernelMapKey, int]], capacities: Mapping[int, int],
+                 device: torch.device) -> None:
+        self.capacities = dict(capacities)
+        self.out_ids = {key: out_id for key, out_id in requests}
+        self.tables: dict[KernelMapKey, torch.Tensor] = {}
+        self.maps: dict[KernelMapKey, KernelMap] = {}
+        for key, out_id in requests:
+            volume = key.kernel_size[0] * key.kernel_size[1] * key.kernel_size[2]
+            table = torch.full((capacities[out_id], volume), -1, dtype=torch.int32, device=device)
+            self.tables[key] = table
+            self.maps[key] = KernelMap(table, capacities[key.source], key.kernel_size)
+        self.products: dict[tuple, Product] = {}
+        self.choosing = False
+        """While True (the warm-up pass before a capture) a conv on CUDA times the table tiles and keeps the
+        fastest for its layer (:meth:`_product`); a captured pass only runs the products chosen then."""
+
+    def fits(self, rows: Mapping[int, int]) -> bool:
+        """Whether every set of a batch (``rows``: count per set id of the recorded batch) fits its capacity."""
+        return all(rows[set_id] <= capacity for set_id, capacity in self.capacities.items())
+
+    def load(self, maps: Mapping[KernelMapKey, KernelMap]) -> None:
+        """Copy a batch's maps (by the recorded keys) into the tables, -1 past each map's output count: the
+        launches of a replay read them. Two launches a map, no host synchronisation."""
+        for key, table in self.tables.items():
+            neighbors = maps[key].neighbors
+            rows = neighbors.shape[0]
+            table[:rows].copy_(neighbors)
+            table[rows:].fill_(-1)
+
+    def conv(self, feats: torch.Tensor, weight: torch.Tensor, key: KernelMapKey, layer: tuple) -> tuple[torch.Tensor, int]:
+        """feats (capacity of the source set, C_in), weight (K, C_in, C_out) -> (capacity of the output set,
+        C_out) over ``key``'s table, and the output set's id; ``layer``: the conv's problem description
+        (:func:`~sparseconv.backends.problem.layer_problem`)."""
+        kernel_map = self.maps.get(key)
+        if kernel_map is None:
+            raise ValueError(f"sparseconv.graphed: a layer asked for the kernel map {key}, which the recorded pass "
+                             f"did not: a graphed network must ask the same maps of every batch (known: "
+                             f"{list(self.maps)})")
+        if feats.shape[0] != kernel_map.num_in:
+            raise ValueError(f"sparseconv.graphed: a conv's input has {feats.shape[0]} rows where its set's "
+                             f"capacity is {kernel_map.num_in}: every tensor of a graphed pass must come from "
+                             "its input through the network's layers")
+        product = self.products.get((key, layer))
+        if product is None:
+            product = self.products[(key, layer)] = self._product(kernel_map, layer, feats, weight)
+        return product(feats.contiguous(), weight.contiguous()), self.out_ids[key]
+
+    def _product(self, kernel_map: KernelMap, layer: tuple, feats: torch.Tensor, weight: torch.Tensor) -> Product:
+        """The layer's product over its table: mask_implicit_gemm's table tiles where Triton runs (on CUDA the
+        fastest of its tiles here, timed on this batch's table while :attr:`choosing`), else torch's."""
+        problem = layer_problem(kernel_map, layer)
+        backend = mask_triton.MASK_IMPLICIT_GEMM
+        if backend.supports(problem) is not None:
+            return gathered_product(kernel_map.neighbors)
+        tiles = mask_triton.table_tiles(problem)
+        if feats.is_cuda and self.choosing and len(tiles) > 1:
+            timer = Timer(feats.device, TIMING)
+            a, w = feats.contiguous(), weight.contiguous()
+            timed = []
+            for params in tiles:
+                product = backend.prepare("AB_gather_scatter", problem, params, kernel_map)
+                timed.append((timer.median(lambda p=product: p(a, w))[0], len(timed), product))
+            return min(timed)[2]
+        return backend.prepare("AB_gather_scatter", problem, tiles[0], kernel_map)
+
+
+def gathered_product(table: torch.Tensor) -> Product:
+    """A table's product in torch's ops (where Triton does not run): sum over offsets k of the rows
+    ``table[:, k]`` of a (-1: a zero row) times W_k; no host synchronisation either."""
+    def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        padded = torch.cat([a, a.new_zeros((1, a.shape[1]))])
+        index = torch.where(table >= 0, table, a.shape[0]).long()
+        out = a.new_zeros((table.shape[0], w.shape[2]))
+        for k in range(table.shape[1]):
+            out.addmm_(padded.index_select(0, index[:, k]), w[k])
+        return out
+
+    return product
+
+
+class CapacityCache:
+    """What a capacity pass's tensors hold as their coordinate cache: the capture's :class:`CapacityMaps` (read by
+    the convs through :attr:`Batch.capacity`) and each set's stride. It builds no map and knows no coordinates:
+    an operation that needs them (pooling, per-sample norms, ``coords``, ``batch_size``) raises, naming graph mode."""
+
+    def __init__(self, maps: CapacityMaps, device: torch.device) -> None:
+        self.device = device
+        self.batch = Batch()
+        self.batch.capacity = maps
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"sparseconv.graphed: a layer read the coordinate cache's {name!r}, which a graphed pass does not have "
+            "(it runs on fixed-size buffers, without coordinates): only convolutions, 1x1 products, norms over "
+            "channels (BatchNorm in eval mode), activations, concatenations and sums of tensors on one set run there")

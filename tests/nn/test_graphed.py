@@ -1,0 +1,143 @@
+"""sparseconv.graphed: the fixed-size pass a CUDA graph captures equals the eager pass on new point clouds.
+
+On the CPU the same pass runs without capture (``capture=False``): its tables, capacities, padded rows and
+recording are what a graph replays; float64 runs the convs in torch's ops, float32 the Triton table kernel
+(interpreted). The GPU test captures and replays.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sparse_reference import random_coords
+
+import sparseconv
+from sparseconv import SparseTensor
+from sparseconv.models import MinkUNet
+from sparseconv.nn import BatchNorm, ReLU, Sequential, SparseConv3d, SparseMaxPool3d
+from sparseconv.ops import capacity
+
+
+def _model(dtype, device="cpu") -> MinkUNet:
+    torch.manual_seed(0)
+    model = MinkUNet(3, 5, blocks=(1,) * 8, width=0.25, stem_kernel_size=3)
+    for module in model.modules():  # statistics that change the result (a fresh norm is the identity)
+        if isinstance(module, BatchNorm):
+            module.running_mean.uniform_(-0.5, 0.5)
+            module.running_var.uniform_(0.5, 2.0)
+            module.weight.data.uniform_(0.5, 1.5)
+            module.bias.data.uniform_(-0.5, 0.5)
+    return model.to(device, dtype).eval()
+
+
+def _cloud(n: int, dtype, device="cpu") -> SparseTensor:
+    coords = random_coords(n, 10, batch_size=2).to(device)
+    return SparseTensor(coords, torch.randn(len(coords), 3, dtype=dtype, device=device))
+
+
+def _check_equal(graphed_out: SparseTensor, eager_out: SparseTensor, tolerance: float) -> None:
+    assert torch.equal(graphed_out.coords, eager_out.coords)
+    error = (graphed_out.feats - eager_out.feats).abs().max() / eager_out.feats.abs().max()
+    assert error <= tolerance, error
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_graphed_pass_equals_eager_on_new_clouds(dtype):
+    model = _model(dtype)
+    run = sparseconv.graphed(model, capture=False)
+    sizes = [300, 280, 310] if dtype == torch.float64 else [120, 110]
+    for n in sizes:
+        x = _cloud(n, dtype)
+        with torch.no_grad():
+            eager = model(SparseTensor(x.coords, x.feats))
+        _check_equal(run(x), eager, 1e-10 if dtype == torch.float64 else 1e-4)
+    assert run.captures == 1  # each later cloud's sets fit the first's capacities
+    kinds = {type(product).__name__ for product in run._graphs[0].maps.products.values()}
+    assert kinds == ({"function"} if dtype == torch.float64 else {"_RowsProduct"})  # torch's ops / Triton's kernel
+
+
+def test_a_larger_cloud_gets_a_bucket_of_its_own_and_the_first_still_serves():
+    model = _model(torch.float64)
+    run = sparseconv.graphed(model, capture=False)
+    small, large = _cloud(150, torch.float64), _cloud(600, torch.float64)
+    for x in (small, large, _cloud(140, torch.float64)):
+        with torch.no_grad():
+            eager = model(SparseTensor(x.coords, x.feats))
+        _check_equal(run(x), eager, 1e-10)
+    assert run.captures == 2
+    assert all(a <= b for a, b in zip(*run.buckets))
+
+
+def test_padded_rows_never_reach_a_result(monkeypatch):
+    """Rows past each set's count are poisoned (NaN features, stale tables pointing at them): no valid row reads
+    them."""
+    model = _model(torch.float64)
+    run = sparseconv.graphed(model, capture=False)
+    run(_cloud(300, torch.float64))
+    graph = run._graphs[0]
+    graph.feats.fill_(float("nan"))
+    loads = []
+    original = capacity.CapacityMaps.load
+
+    def load(self, maps):
+        original(self, maps)
+        for key, table in self.tables.items():  # past the count: rows that name padded input rows
+            rows = maps[key].neighbors.shape[0]
+            table[rows:] = torch.arange(table.shape[1], dtype=table.dtype) % self.maps[key].num_in
+        loads.append(True)
+
+    monkeypatch.setattr(capacity.CapacityMaps, "load", load)
+    x = _cloud(250, torch.float64)
+    with torch.no_grad():
+        eager = model(SparseTensor(x.coords, x.feats))
+    out = run(x)
+    assert loads and torch.isfinite(out.feats).all()
+    _check_equal(out, eager, 1e-10)
+
+
+def test_capacity_buckets_cover_the_rows_with_a_margin():
+    for rows in [0, 1, 15, 16, 17, 1000, 91_234, 657_000]:
+        cap = capacity.capacity_of(rows, 1.1)
+        assert cap >= rows * 1.1 and cap >= 16
+        step = 1 << max(0, cap.bit_length() - 4)
+        assert cap % step == 0 and cap <= max(16, rows * 1.1 * 1.13 + 1)
+
+
+def test_graphed_refuses_training_mode_and_layers_that_need_coordinates():
+    model = _model(torch.float64).train()
+    with pytest.raises(ValueError, match="eval"):
+        sparseconv.graphed(model, capture=False)(_cloud(100, torch.float64))
+    pooled = Sequential(SparseConv3d(3, 4, 3), BatchNorm(4), ReLU(), SparseMaxPool3d(2, 2)).double().eval()
+    with pytest.raises(AttributeError, match="graphed"):
+        sparseconv.graphed(pooled, capture=False)(_cloud(100, torch.float64))
+    with pytest.raises(ValueError, match="margin"):
+        sparseconv.graphed(model, margin=0.5)
+    with pytest.raises(TypeError, match="module"):
+        sparseconv.graphed(lambda x: x)
+    with pytest.raises(ValueError, match="CUDA"):
+        sparseconv.graphed(model.eval(), capture=True)(_cloud(100, torch.float64))
+
+
+def test_on_the_cpu_by_default_graphed_is_the_module_itself():
+    model = _model(torch.float64)
+    run = sparseconv.graphed(model)
+    x = _cloud(200, torch.float64)
+    with torch.no_grad():
+        eager = model(SparseTensor(x.coords, x.feats))
+    _check_equal(run(x), eager, 0.0)
+    assert run.captures == 0
+
+
+@pytest.mark.gpu
+def test_graph_replays_equal_eager_in_fp16_without_recapture():
+    device = torch.device("cuda")
+    model = MinkUNet(4, 13).to(device, torch.float16).eval()
+    run = sparseconv.graphed(model)
+    for _ in range(8):
+        coords = random_coords(20_000, 64, batch_size=2, device=device)
+        x = SparseTensor(coords, torch.randn(len(coords), 4, dtype=torch.float16, device=device))
+        with torch.no_grad():
+            eager = model(SparseTensor(x.coords, x.feats))
+        _check_equal(run(x), eager, 2e-2)
+    assert run.captures == 1
+    assert run._graphs[0].graph is not None
