@@ -217,6 +217,10 @@ def interleaved(scene: str, coords, dtype, device, libraries: list[str], rows: d
             print(f"{scene} {kind} rounds (ms): " + "; ".join(
                 f"{library} " + " ".join(f"{ms:.1f}" for ms in times[library][kind]) for library in names)
                 + f"; ours timed candidates for {budget.spent_s - timed_before:.2f} s of them", flush=True)
+    graphed = getattr(runners.get("ours_graphed"), "graphed", None)
+    if args.verbose and graphed is not None:
+        print(f"{scene} ours_graphed: {graphed.captures} graph(s) captured over the rounds; capacities "
+              f"{graphed.buckets}", flush=True)
     if unseen:
         for kind in ROUND_KINDS:
             feed()

@@ -131,19 +131,22 @@ class _Graph:
                 and feats.device == self.feats.device and self.maps.fits(rows))
 
     def prepare(self, maps: dict[KernelMapKey, KernelMap], capture: bool) -> None:
-        """A warm-up pass over the tables loaded with ``maps`` (each conv times its tiles and compiles them);
-        then, with ``capture``, the pass captured once the kernels compiling in the background are in."""
+        """A warm-up pass over the tables loaded with ``maps`` (each conv's parameters chosen by the tuner on the
+        batch's own map, its kernels compiled); then, with ``capture``, the pass captured once the kernels
+        compiling in the background are in, its convs' views built inside the graph (:meth:`CapacityMaps.renew`)."""
         self.maps.load(maps)
-        self.maps.choosing = True
+        self.maps.choose_on(maps)
         try:
             self.out = self._pass()
         finally:
-            self.maps.choosing = False
+            self.maps.choose_on(None)
         if not capture:
             return
         tune.wait_for_compiles()
-        self._pass()  # what compiled in the background runs once before the capture
+        self.maps.renew()
+        self._pass()  # the views' kernels and what compiled in the background run once before the capture
         torch.cuda.synchronize(self.feats.device)
+        self.maps.renew()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.out = self._pass()
@@ -164,6 +167,7 @@ class _Graph:
         if self.graph is not None:
             self.graph.replay()
             out = self.out
-        else:
+        else:  # the views on the tables built again, as a replay builds them
+            self.maps.renew()
             out = self._pass()
         return SparseTensor._derived(out.feats[: rows[out.coord_id]].clone(), input.cache, sets[out.coord_id])

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from .. import tune
 from ..backends import mask_triton
 from ..backends.problem import layer_problem
 from ..coords.batch import Batch
@@ -29,14 +30,23 @@ from ..tune.timing import Timer, TimingPlan
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 TIMING = TimingPlan(warmup=1, repeats=5, flush_l2=False, min_repeats=3)
-"""How a capacity conv's table tiles are timed (once per layer and capacity bucket, before capture)."""
+"""How a capacity conv's table tiles are timed where the tuner does not choose (once per layer and bucket)."""
+
+PRODUCT = "AB_gather_scatter"
+PIN = ("mask_implicit_gemm",)
+"""What a capacity pass's convs run: the backend whose views (row orders, tile plans) are built on the device
+from the table alone, so that a captured pass builds them again from each new table."""
+
+SLACK = 256
+"""Rows every set's capacity keeps beyond its count at least: the coarse sets of a network (hundreds of rows)
+vary between clouds by more than a margin's share of them."""
 
 
 def capacity_of(rows: int, margin: float) -> int:
-    """The capacity bucket of a set of ``rows`` rows: ``rows * margin`` rounded up to a multiple of its
-    largest power of two over 8 (6-12% steps; at least 16 rows): clouds whose sets grow by less than the
-    margin fit the bucket of the first, and the 1x1 products' row buckets divide it (one cuBLAS shape)."""
-    target = max(16, int(rows * margin) + 1)
+    """The capacity bucket of a set of ``rows`` rows: ``rows * margin`` (at least ``rows`` + :data:`SLACK`)
+    rounded up to a multiple of its largest power of two over 8 (6-12% steps): clouds whose sets grow by less
+    than the margin fit the bucket of the first, and the 1x1 products' row buckets divide it (one cuBLAS shape)."""
+    target = max(int(rows * margin), rows + SLACK) + 1
     step = 1 << max(0, target.bit_length() - 4)
     return -(-target // step) * step
 
@@ -62,9 +72,22 @@ class CapacityMaps:
             self.tables[key] = table
             self.maps[key] = KernelMap(table, capacities[key.source], key.kernel_size)
         self.products: dict[tuple, Product] = {}
-        self.choosing = False
-        """While True (the warm-up pass before a capture) a conv on CUDA times the table tiles and keeps the
-        fastest for its layer (:meth:`_product`); a captured pass only runs the products chosen then."""
+        self.params: dict[tuple, Mapping | None] = {}
+        """Per (key, layer): the parameters its product runs (None: torch's ops), chosen in the warm-up pass."""
+        self.real: Mapping[KernelMapKey, KernelMap] | None = None
+        """The batch's own maps while the warm-up pass chooses the parameters (:meth:`choose_on`)."""
+
+    def choose_on(self, maps: Mapping[KernelMapKey, KernelMap] | None) -> None:
+        """Choose each layer's parameters in the next pass on the batch's own ``maps`` (by the recorded keys),
+        through the tuner (None: stop choosing)."""
+        self.real = maps
+
+    def renew(self) -> None:
+        """Forget the products and the views built on the tables (keeping the chosen parameters): the pass that
+        runs next builds them again, so that a capture holds their building, redone on each replay from the
+        tables' new contents (a view cached from the warm-up would be the warm-up batch's)."""
+        self.maps = {key: KernelMap(table, self.maps[key].num_in, key.kernel_size) for key, table in self.tables.items()}
+        self.products.clear()
 
     def fits(self, rows: Mapping[int, int]) -> bool:
         """Whether every set of a batch (``rows``: count per set id of the recorded batch) fits its capacity."""
@@ -94,26 +117,45 @@ class CapacityMaps:
                              "its input through the network's layers")
         product = self.products.get((key, layer))
         if product is None:
-            product = self.products[(key, layer)] = self._product(kernel_map, layer, feats, weight)
+            product = self.products[(key, layer)] = self._product(key, layer, feats, weight)
         return product(feats.contiguous(), weight.contiguous()), self.out_ids[key]
 
-    def _product(self, kernel_map: KernelMap, layer: tuple, feats: torch.Tensor, weight: torch.Tensor) -> Product:
-        """The layer's product over its table: mask_implicit_gemm's table tiles where Triton runs (on CUDA the
-        fastest of its tiles here, timed on this batch's table while :attr:`choosing`), else torch's."""
+    def _product(self, key: KernelMapKey, layer: tuple, feats: torch.Tensor, weight: torch.Tensor) -> Product:
+        """The layer's product over its table: mask_implicit_gemm's where Triton runs, with the parameters chosen
+        for the layer (:meth:`_choose`), else torch's ops."""
+        kernel_map = self.maps[key]
         problem = layer_problem(kernel_map, layer)
-        backend = mask_triton.MASK_IMPLICIT_GEMM
-        if backend.supports(problem) is not None:
+        if (key, layer) not in self.params:
+            supported = mask_triton.MASK_IMPLICIT_GEMM.supports(problem) is None
+            self.params[(key, layer)] = self._choose(key, problem, layer, feats, weight) if supported else None
+        params = self.params[(key, layer)]
+        if params is None:
             return gathered_product(kernel_map.neighbors)
+        return mask_triton.MASK_IMPLICIT_GEMM.prepare(PRODUCT, problem, params, kernel_map)
+
+    def _choose(self, key: KernelMapKey, problem, layer: tuple, feats: torch.Tensor, weight: torch.Tensor) -> Mapping:
+        """The layer's parameters: on CUDA, what the tuner picks among :data:`PIN`'s for the layer on the batch's
+        own map (its pool, timings, cache and guard, as an eager call's; the valid rows of the capacity buffer
+        are the batch's features), else the first table tile (the CPU's interpreter)."""
+        real = None if self.real is None else self.real[key]
+        if feats.is_cuda and real is not None:
+            a, problem_of_batch = feats[: real.num_in], layer_problem(real, layer)
+            tuner = tune.get_tuner()
+            for _ in range(2):
+                candidate, _ = tuner.choose(PRODUCT, problem_of_batch, PIN, a, weight, real)
+                if candidate.backend == PIN[0]:
+                    return candidate.params_dict
+                tune.wait_for_compiles()  # the reference stood in while the pick compiled
         tiles = mask_triton.table_tiles(problem)
-        if feats.is_cuda and self.choosing and len(tiles) > 1:
+        if feats.is_cuda and len(tiles) > 1:
             timer = Timer(feats.device, TIMING)
             a, w = feats.contiguous(), weight.contiguous()
             timed = []
             for params in tiles:
-                product = backend.prepare("AB_gather_scatter", problem, params, kernel_map)
-                timed.append((timer.median(lambda p=product: p(a, w))[0], len(timed), product))
+                product = mask_triton.MASK_IMPLICIT_GEMM.prepare(PRODUCT, problem, params, self.maps[key])
+                timed.append((timer.median(lambda p=product: p(a, w))[0], len(timed), params))
             return min(timed)[2]
-        return backend.prepare("AB_gather_scatter", problem, tiles[0], kernel_map)
+        return tiles[0]
 
 
 def gathered_product(table: torch.Tensor) -> Product:

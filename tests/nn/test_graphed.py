@@ -98,9 +98,10 @@ def test_padded_rows_never_reach_a_result(monkeypatch):
 def test_capacity_buckets_cover_the_rows_with_a_margin():
     for rows in [0, 1, 15, 16, 17, 1000, 91_234, 657_000]:
         cap = capacity.capacity_of(rows, 1.1)
-        assert cap >= rows * 1.1 and cap >= 16
+        least = max(rows * 1.1, rows + capacity.SLACK)
+        assert cap > least
         step = 1 << max(0, cap.bit_length() - 4)
-        assert cap % step == 0 and cap <= max(16, rows * 1.1 * 1.13 + 1)
+        assert cap % step == 0 and cap <= least * 1.13 + 1
 
 
 def test_graphed_refuses_training_mode_and_layers_that_need_coordinates():
