@@ -217,10 +217,6 @@ def interleaved(scene: str, coords, dtype, device, libraries: list[str], rows: d
             print(f"{scene} {kind} rounds (ms): " + "; ".join(
                 f"{library} " + " ".join(f"{ms:.1f}" for ms in times[library][kind]) for library in names)
                 + f"; ours timed candidates for {budget.spent_s - timed_before:.2f} s of them", flush=True)
-    graphed = getattr(runners.get("ours_graphed"), "graphed", None)
-    if args.verbose and graphed is not None:
-        print(f"{scene} ours_graphed: {graphed.captures} graph(s) captured over the rounds; capacities "
-              f"{graphed.buckets}", flush=True)
     if unseen:
         for kind in ROUND_KINDS:
             feed()
@@ -230,6 +226,11 @@ def interleaved(scene: str, coords, dtype, device, libraries: list[str], rows: d
         for library, runner in runners.items():
             times[library]["peak GB"] = peak_gb(runner.step, device, runner) if "step" in kinds[library] else "-"
         times["voxels"] = [len(cloud.coords) for cloud in pool]
+    graphed = getattr(runners.get("ours_graphed"), "graphed", None)
+    if args.verbose and graphed is not None:
+        print(f"{scene} ours_graphed: {graphed.captures} graph(s) captured over all its passes; " + "; ".join(
+            f"capacities {b.capacities}: captured in {b.seconds:.2f} s, {b.memory_bytes / 2**30:.2f} GB reserved"
+            for b in graphed.buckets), flush=True)
     return times
 
 

@@ -11,6 +11,9 @@ output's valid rows copied out; a batch that fits no graph is captured into a ne
 
 from __future__ import annotations
 
+import time
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -45,9 +48,19 @@ def graphed(module: nn.Module, margin: float = 1.1, capture: bool | None = None)
     return GraphedModule(module, float(margin), capture)
 
 
+class Bucket(NamedTuple):
+    """One captured graph: ``capacities``, rows per coordinate set (in the recorded order); ``seconds``, what its
+    capture took (the tuner's picks on the batch's maps, a warm-up pass, the capture); ``memory_bytes``, the CUDA
+    memory torch reserved for it (its buffers, tables and the graph's pool of activations; 0 off CUDA)."""
+
+    capacities: list[int]
+    seconds: float
+    memory_bytes: int
+
+
 class GraphedModule:
     """What :func:`graphed` returns: call it like the module. ``captures``: the graphs captured so far (one per
-    capacity bucket met); ``buckets``: each one's capacities (rows per coordinate set, in the recorded order)."""
+    capacity bucket met); ``buckets``: each one's :class:`Bucket`."""
 
     def __init__(self, module: nn.Module, margin: float, capture: bool | None) -> None:
         self.module, self.margin, self._capture = module, margin, capture
@@ -60,8 +73,8 @@ class GraphedModule:
         return len(self._graphs)
 
     @property
-    def buckets(self) -> list[list[int]]:
-        return [list(graph.maps.capacities.values()) for graph in self._graphs]
+    def buckets(self) -> list[Bucket]:
+        return [graph.bucket for graph in self._graphs]
 
     def __call__(self, input: SparseTensor) -> SparseTensor:
         if not isinstance(input, SparseTensor):
@@ -107,8 +120,16 @@ class GraphedModule:
         capture = self._capture is not False
         if capture and not input.feats.is_cuda:
             raise ValueError(f"capture=True needs a CUDA input, got features on {input.feats.device}")
+        cuda = input.feats.is_cuda
+        if cuda:
+            torch.cuda.synchronize(input.device)
+        begin, reserved = time.perf_counter(), torch.cuda.memory_reserved(input.device) if cuda else 0
         graph = _Graph(self.module, CapacityMaps(self._requests, capacities, input.device), input, self._input_id)
         graph.prepare(maps, capture)
+        if cuda:
+            torch.cuda.synchronize(input.device)
+        memory = torch.cuda.memory_reserved(input.device) - reserved if cuda else 0
+        graph.bucket = Bucket(list(capacities.values()), time.perf_counter() - begin, memory)
         self._graphs.append(graph)
         return graph
 
