@@ -19,8 +19,8 @@ OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 # (module, names, one line on what it is); the order is the reading order of the page.
 SECTIONS = [
-    ("sparseconv", ["SparseTensor", "sparse_conv3d", "set_deterministic", "is_deterministic"],
-     "The tensor, the convolution operator and deterministic mode."),
+    ("sparseconv", ["SparseTensor", "sparse_conv3d", "graphed", "set_deterministic", "is_deterministic"],
+     "The tensor, the convolution operator, graph mode and deterministic mode."),
     (
         "sparseconv.nn",
         [
