@@ -110,7 +110,8 @@ class GraphedModule:
         rows = {self._input_id: len(input)}
         maps = {}
         for key, out_id in self._requests:
-            kernel_map, _, sets[out_id] = batch.kernel_map(input.cache, key._replace(source=sets[key.source]))
+            kernel_map, _, sets[out_id] = batch.kernel_map(input.cache, key._replace(source=sets[key.source]),
+                                                           batch.MAPS_ONLY)
             maps[key] = kernel_map
             rows[out_id] = kernel_map.num_out
         return maps, rows, sets

@@ -24,12 +24,19 @@ BUILDERS = Builders(
 )
 """What the library builds a batch's maps with (:class:`~sparseconv.coords.batch.Builders`)."""
 
+MAPS_ONLY = Builders(kernels=BUILDERS.kernels)
+"""What a graphed pass's batches are built with (:mod:`sparseconv.nn.graphed`): the maps alone. Its convs build
+their views inside the graph, so the views and prepared products of the eager layers would be built for
+nothing (GPU sorts and tile plans, and the host's preparing of ~40 products a MinkUNet batch)."""
 
-def kernel_map(cache: CoordinateCache, key: KernelMapKey) -> tuple[KernelMap, MapUse, int]:
-    """The kernel map of ``key`` in ``cache``'s batch (built with :data:`BUILDERS`), its use in the batch
-    (:class:`~sparseconv.coords.batch.MapUse`: what the tuner and the plan keep of it) and the id of its
-    output coordinate set. A batch's first request checks every product's settings first (:func:`check_settings`)."""
+
+def kernel_map(cache: CoordinateCache, key: KernelMapKey, builders: Builders = BUILDERS
+               ) -> tuple[KernelMap, MapUse, int]:
+    """The kernel map of ``key`` in ``cache``'s batch (built with ``builders``, taken at the batch's first request),
+    its use in the batch (:class:`~sparseconv.coords.batch.MapUse`: what the tuner and the plan keep of it) and the
+    id of its output coordinate set. A batch's first request checks every product's settings first
+    (:func:`check_settings`)."""
     if cache.batch.record is None:
         check_settings()
-    found, out_id = cache.kernel_map(key, BUILDERS)
+    found, out_id = cache.kernel_map(key, builders)
     return found, cache.batch.use(found), out_id
