@@ -122,8 +122,9 @@ class GraphedModule:
         if capture and not input.feats.is_cuda:
             raise ValueError(f"capture=True needs a CUDA input, got features on {input.feats.device}")
         cuda = input.feats.is_cuda
-        if cuda:
+        if cuda:  # (the capture empties torch's cache: emptied first too, the difference is the bucket's own)
             torch.cuda.synchronize(input.device)
+            torch.cuda.empty_cache()
         begin, reserved = time.perf_counter(), torch.cuda.memory_reserved(input.device) if cuda else 0
         graph = _Graph(self.module, CapacityMaps(self._requests, capacities, input.device), input, self._input_id)
         graph.prepare(maps, capture)
