@@ -59,18 +59,15 @@ class Bucket(NamedTuple):
 
 
 class GraphedModule:
-    """What :func:`graphed` returns: call it like the module. ``captures``: the graphs captured so far (one per
-    capacity bucket met); ``buckets``: each one's :class:`Bucket`."""
+    """What :func:`graphed` returns: call it like the module. ``captures``: the graphs captured so far;
+    ``buckets``: the :class:`Bucket` of each graph held now (a bucket that grew replaced the one it grew from)."""
 
     def __init__(self, module: nn.Module, margin: float, capture: bool | None) -> None:
         self.module, self.margin, self._capture = module, margin, capture
         self._requests: list[tuple[KernelMapKey, int]] | None = None
         self._input_id = 0
         self._graphs: list[_Graph] = []
-
-    @property
-    def captures(self) -> int:
-        return len(self._graphs)
+        self.captures = 0
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -117,7 +114,17 @@ class GraphedModule:
         return maps, rows, sets
 
     def _new_graph(self, input: SparseTensor, maps: dict[KernelMapKey, KernelMap], rows: dict[int, int]) -> _Graph:
+        """A graph for a batch that fits none. Where a graph's input capacity takes the batch's but another of
+        its sets' does not (clouds of one size whose coarse sets vary more than the margin: a street's
+        stride-2 set by 20% between scenes of equal size), the new graph's capacities are the larger of both
+        and it replaces that graph: one graph per input size that grows, not one per cloud that overflowed."""
         capacities = {set_id: capacity_of(count, self.margin) for set_id, count in rows.items()}
+        grown = next((g for g in self._graphs if g.takes_features(input)
+                      and g.maps.capacities[self._input_id] >= capacities[self._input_id]), None)
+        if grown is not None:
+            capacities = {set_id: max(rows_, grown.maps.capacities[set_id]) for set_id, rows_ in capacities.items()}
+            self._graphs.remove(grown)  # its buffers and the graph's memory go with it
+            del grown
         capture = self._capture is not False
         if capture and not input.feats.is_cuda:
             raise ValueError(f"capture=True needs a CUDA input, got features on {input.feats.device}")
@@ -133,6 +140,7 @@ class GraphedModule:
         memory = torch.cuda.memory_reserved(input.device) - reserved if cuda else 0
         graph.bucket = Bucket(list(capacities.values()), time.perf_counter() - begin, memory)
         self._graphs.append(graph)
+        self.captures += 1
         return graph
 
 
@@ -149,9 +157,13 @@ class _Graph:
         self.out: SparseTensor | None = None
 
     def takes(self, input: SparseTensor, rows: dict[int, int]) -> bool:
+        """Whether a batch (its ``rows`` per recorded set id) runs on this graph."""
+        return self.takes_features(input) and self.maps.fits(rows)
+
+    def takes_features(self, input: SparseTensor) -> bool:
         feats = input.feats
         return (feats.dtype == self.feats.dtype and feats.shape[1] == self.feats.shape[1]
-                and feats.device == self.feats.device and self.maps.fits(rows))
+                and feats.device == self.feats.device)
 
     def prepare(self, maps: dict[KernelMapKey, KernelMap], capture: bool) -> None:
         """A warm-up pass over the tables loaded with ``maps`` (each conv's parameters chosen by the tuner on the

@@ -70,6 +70,26 @@ def test_a_larger_cloud_gets_a_bucket_of_its_own_and_the_first_still_serves():
     assert small_bucket.seconds > 0 and small_bucket.memory_bytes == 0  # (no CUDA memory on the CPU)
 
 
+def test_a_cloud_whose_coarse_sets_overflow_grows_the_bucket_of_its_size():
+    """Equal input sizes, a sparser cloud with more coarse voxels: the bucket grows in place of a second one."""
+    model = _model(torch.float64)
+    run = sparseconv.graphed(model, margin=1.0, capture=False)
+
+    def cloud(extent: int) -> SparseTensor:
+        coords = torch.unique(torch.cat([torch.randint(0, 2, (1200, 1)), torch.randint(0, extent, (1200, 3))], 1), dim=0)
+        coords = coords[torch.randperm(len(coords))[:1000]]
+        return SparseTensor(coords, torch.randn(len(coords), 3, dtype=torch.float64))
+
+    dense, sparse = cloud(12), cloud(40)  # (1000 voxels each; at most 432 and about 950 at stride 2)
+    for x in (dense, sparse, cloud(12)):
+        with torch.no_grad():
+            eager = model(SparseTensor(x.coords, x.feats))
+        _check_equal(run(x), eager, 1e-10)
+    assert run.captures == 2 and len(run.buckets) == 1
+    capacities = run.buckets[0].capacities
+    assert capacities[0] == capacity.capacity_of(1000, 1.0) and capacities[1] >= 900
+
+
 def test_padded_rows_never_reach_a_result(monkeypatch):
     """Rows past each set's count are poisoned (NaN features, stale tables pointing at them): no valid row reads
     them."""
