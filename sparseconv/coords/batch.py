@@ -116,8 +116,8 @@ class Batch:
         self.uses: dict[int, MapUse] = {}
         """By the map's id: a use holds its map, so no other map takes the id while the batch lives."""
         self.capacity = None
-        """A graphed pass's fixed-size maps (a :class:`sparseconv.ops.capacity.CapacityMaps`, above this floor): its
-        convs run over them instead of asking for maps; None in every batch of real coordinates."""
+        """What runs the convs of a graphed pass (:class:`sparseconv.ops.capacity.CapacityMaps`, above this floor: its
+        fixed-size maps) or of its recording (:class:`~sparseconv.ops.capacity.MapRecorder`); None otherwise."""
 
     def use(self, kernel_map: KernelMap) -> MapUse:
         """The map's :class:`MapUse` in this batch (made on first use)."""

@@ -20,7 +20,7 @@ from torch import nn
 from .. import tune
 from ..coords.kernel_map import KernelMap, KernelMapKey
 from ..ops import batch
-from ..ops.capacity import CapacityCache, CapacityMaps, capacity_of
+from ..ops.capacity import CapacityCache, CapacityMaps, MapRecorder, capacity_of
 from ..tensor import SparseTensor
 
 
@@ -91,9 +91,14 @@ class GraphedModule:
             return graph.run(input, maps, rows, sets)
 
     def _record(self, input: SparseTensor) -> None:
-        """Run the module eagerly once and keep the kernel maps it asked for, in order (the next batches'
-        maps are requested in that order, so that each set gets the same place)."""
-        out = self.module(input)
+        """Run the module once with convs that only ask for their maps (:class:`~sparseconv.ops.capacity.MapRecorder`)
+        and keep the kernel maps it asked for, in order (the next batches' maps are requested in that order, so
+        that each set gets the same place)."""
+        input.cache.batch.capacity = MapRecorder()
+        try:
+            out = self.module(input)
+        finally:
+            input.cache.batch.capacity = None
         if not isinstance(out, SparseTensor) or out.cache is not input.cache:
             raise TypeError("sparseconv.graphed: the module must return a SparseTensor derived from its input, got "
                             f"{type(out).__name__}")

@@ -26,6 +26,7 @@ from ..backends.problem import layer_problem
 from ..coords.batch import Batch
 from ..coords.kernel_map import KernelMap, KernelMapKey
 from ..tune.timing import Timer, TimingPlan
+from . import batch
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -102,10 +103,11 @@ class CapacityMaps:
             table[:rows].copy_(neighbors)
             table[rows:].fill_(-1)
 
-    def conv(self, feats: torch.Tensor, weight: torch.Tensor, key: KernelMapKey, layer: tuple) -> tuple[torch.Tensor, int]:
+    def conv(self, cache, feats: torch.Tensor, weight: torch.Tensor, key: KernelMapKey, layer: tuple
+             ) -> tuple[torch.Tensor, int]:
         """feats (capacity of the source set, C_in), weight (K, C_in, C_out) -> (capacity of the output set,
         C_out) over ``key``'s table, and the output set's id; ``layer``: the conv's problem description
-        (:func:`~sparseconv.backends.problem.layer_problem`)."""
+        (:func:`~sparseconv.backends.problem.layer_problem`); ``cache``: the input's (a :class:`CapacityCache`)."""
         kernel_map = self.maps.get(key)
         if kernel_map is None:
             raise ValueError(f"sparseconv.graphed: a layer asked for the kernel map {key}, which the recorded pass "
@@ -156,6 +158,18 @@ class CapacityMaps:
                 timed.append((timer.median(lambda p=product: p(a, w))[0], len(timed), params))
             return min(timed)[2]
         return tiles[0]
+
+
+class MapRecorder:
+    """The convs of a recording pass (a graphed module's first call, on a batch's real cache): each asks for its
+    kernel map as an eager call would (built as a graphed batch builds them: :data:`~.batch.MAPS_ONLY`) and
+    returns zeros of its output's shape, so that the pass learns the maps the network asks for, in order,
+    without running or tuning a product."""
+
+    def conv(self, cache, feats: torch.Tensor, weight: torch.Tensor, key: KernelMapKey, layer: tuple
+             ) -> tuple[torch.Tensor, int]:
+        kernel_map, _, out_id = batch.kernel_map(cache, key, batch.MAPS_ONLY)
+        return feats.new_zeros((kernel_map.num_out, weight.shape[2])), out_id
 
 
 def gathered_product(table: torch.Tensor) -> Product:

@@ -133,8 +133,8 @@ def checked_conv3d(
     layer = (weight.shape[1], weight.shape[2], kernel_size, stride, dilation, transposed, generative,
              feats.dtype, feats.device)
     capacity = input.cache.batch.capacity
-    if capacity is not None:  # a graphed pass (sparseconv.graphed): fixed-size tables, no map request, no tuner
-        out, out_id = capacity.conv(feats, weight, key, layer)
+    if capacity is not None:  # a graphed pass or its recording (sparseconv.graphed): no tuner
+        out, out_id = capacity.conv(input.cache, feats, weight, key, layer)
         return SparseTensor._derived(out if bias is None else out + bias, input.cache, out_id)
     kernel_map, use, out_id = batch.kernel_map(input.cache, key)
     problem = layer_problem(kernel_map, layer)

@@ -117,6 +117,24 @@ def test_padded_rows_never_reach_a_result(monkeypatch):
     _check_equal(out, eager, 1e-10)
 
 
+def test_graphed_passes_run_no_eager_product(monkeypatch):
+    """The first call records the maps without running the convs' products (nor tuning them): zeros of each
+    conv's shape; every pass after runs the capacity pass."""
+    from sparseconv.ops import conv
+
+    calls = []
+    monkeypatch.setattr(conv, "dispatch", lambda *args, **kwargs: calls.append(args[0]))
+    model = _model(torch.float64)
+    run = sparseconv.graphed(model, capture=False)
+    for n in (200, 190):
+        x = _cloud(n, torch.float64)
+        out = run(x)
+    assert calls == []
+    monkeypatch.undo()
+    with torch.no_grad():
+        _check_equal(out, model(SparseTensor(x.coords, x.feats)), 1e-10)
+
+
 def test_capacity_buckets_cover_the_rows_with_a_margin():
     for rows in [0, 1, 15, 16, 17, 1000, 91_234, 657_000]:
         cap = capacity.capacity_of(rows, 1.1)
