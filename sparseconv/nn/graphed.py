@@ -26,8 +26,9 @@ from ..tensor import SparseTensor
 
 def graphed(module: nn.Module, margin: float = 1.1, capture: bool | None = None) -> GraphedModule:
     """``module``'s inference on new point clouds, replayed from CUDA graphs: a callable taking the
-    SparseTensor ``module`` takes and returning the SparseTensor it returns (equal to the eager pass's, but for
-    the rounding of differently ordered sums: its convs run the unsorted table kernels).
+    SparseTensor ``module`` takes and returning what it returns, a SparseTensor or tuples, lists, named tuples or
+    dicts of them (equal to the eager pass's, but for the rounding of differently ordered sums: its convs run
+    mask_implicit_gemm alone, with the parameters the tuner picks for that backend).
 
     The module must be in eval mode; its pass may use convolutions (any kind: submanifold, strided, transposed,
     generative), 1x1 convs, BatchNorm, activations, concatenations and residual sums, but not pooling or
@@ -73,7 +74,7 @@ class GraphedModule:
     def buckets(self) -> list[Bucket]:
         return [graph.bucket for graph in self._graphs]
 
-    def __call__(self, input: SparseTensor) -> SparseTensor:
+    def __call__(self, input: SparseTensor) -> object:
         if not isinstance(input, SparseTensor):
             raise TypeError(f"input must be a SparseTensor, got {type(input).__name__}")
         if self.module.training:
@@ -96,12 +97,9 @@ class GraphedModule:
         that each set gets the same place)."""
         input.cache.batch.capacity = MapRecorder()
         try:
-            out = self.module(input)
+            _check_output(self.module(input), input.cache)
         finally:
             input.cache.batch.capacity = None
-        if not isinstance(out, SparseTensor) or out.cache is not input.cache:
-            raise TypeError("sparseconv.graphed: the module must return a SparseTensor derived from its input, got "
-                            f"{type(out).__name__}")
         cache = input.cache
         self._requests = [(key, cache.built_map(key)[1]) for key in cache.built_keys()]
         self._input_id = input.coord_id
@@ -159,7 +157,8 @@ class _Graph:
         self.input = SparseTensor._derived(self.feats, CapacityCache(maps, input.device), input_id)
         self.input_id = input_id
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: SparseTensor | None = None
+        self.out: object = None
+        """The captured pass's output (SparseTensors on the bucket's buffers, in the module's structure)."""
 
     def takes(self, input: SparseTensor, rows: dict[int, int]) -> bool:
         """Whether a batch (its ``rows`` per recorded set id) runs on this graph."""
@@ -192,12 +191,8 @@ class _Graph:
             self.out = self._pass()
         self.graph = graph
 
-    def _pass(self) -> SparseTensor:
-        out = self.module(self.input)
-        if not isinstance(out, SparseTensor) or out.cache is not self.input.cache:
-            raise TypeError("sparseconv.graphed: the module must return a SparseTensor derived from its input, got "
-                            f"{type(out).__name__}")
-        return out
+    def _pass(self) -> object:
+        return _check_output(self.module(self.input), self.input.cache)
 
     def run(self, input: SparseTensor, maps: dict[KernelMapKey, KernelMap], rows: dict[int, int],
             sets: dict[int, int]) -> SparseTensor:
@@ -210,4 +205,33 @@ class _Graph:
         else:  # the views on the tables built again, as a replay builds them
             self.maps.renew()
             out = self._pass()
-        return SparseTensor._derived(out.feats[: rows[out.coord_id]].clone(), input.cache, sets[out.coord_id])
+        return _mapped(out, lambda t: SparseTensor._derived(t.feats[: rows[t.coord_id]].clone(), input.cache,
+                                                            sets[t.coord_id]))
+
+
+def _mapped(value: object, fn) -> object:
+    """``value`` (a SparseTensor, or tuples, lists, named tuples and dicts of them) with ``fn`` applied to each
+    SparseTensor; TypeError for anything else."""
+    if isinstance(value, SparseTensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        items = [_mapped(item, fn) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_mapped(item, fn) for item in value]
+    if isinstance(value, dict):
+        return {key: _mapped(item, fn) for key, item in value.items()}
+    raise TypeError(f"sparseconv.graphed: the module's output must be SparseTensors (alone or in tuples, lists or "
+                    f"dicts), got a {type(value).__name__}: a dense result (a BEV map, global pooling) needs the "
+                    "coordinates, which a graphed pass does not have; make it from the returned tensors")
+
+
+def _check_output(out: object, cache) -> object:
+    """The module's output, once every SparseTensor in it is on ``cache`` (derived from the pass's input)."""
+    def check(tensor: SparseTensor) -> SparseTensor:
+        if tensor.cache is not cache:
+            raise TypeError("sparseconv.graphed: the module must return SparseTensors derived from its input")
+        return tensor
+
+    _mapped(out, check)
+    return out

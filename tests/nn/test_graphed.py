@@ -135,6 +135,47 @@ def test_graphed_passes_run_no_eager_product(monkeypatch):
         _check_equal(out, model(SparseTensor(x.coords, x.feats)), 1e-10)
 
 
+class _Stages(torch.nn.Module):
+    """Returns its stages in a dict and a tuple: the structure a graphed call returns too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = Sequential(SparseConv3d(3, 8, 3, bias=False), BatchNorm(8), ReLU())
+        self.down = SparseConv3d(8, 16, 2, stride=2)
+
+    def forward(self, x: SparseTensor) -> dict:
+        stem = self.stem(x)
+        return {"stem": stem, "stages": (stem, self.down(stem))}
+
+
+def test_outputs_in_tuples_and_dicts_come_back_in_their_structure_on_the_batch_coordinates():
+    model = _Stages().double().eval()
+    run = sparseconv.graphed(model, capture=False)
+    for n in (200, 180):
+        x = _cloud(n, torch.float64)
+        out = run(x)
+        with torch.no_grad():
+            eager = model(SparseTensor(x.coords, x.feats))
+        _check_equal(out["stem"], eager["stem"], 1e-10)
+        for graphed_stage, eager_stage in zip(out["stages"], eager["stages"]):
+            _check_equal(graphed_stage, eager_stage, 1e-10)
+            assert graphed_stage.cache is x.cache and graphed_stage.stride == eager_stage.stride
+
+
+def test_a_dense_output_is_refused_with_what_to_do():
+    class Dense(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = SparseConv3d(3, 4, 3)
+
+        def forward(self, x: SparseTensor) -> tuple:
+            out = self.conv(x)
+            return out, out.feats.sum()
+
+    with pytest.raises(TypeError, match="dense result"):
+        sparseconv.graphed(Dense().double().eval(), capture=False)(_cloud(100, torch.float64))
+
+
 def test_capacity_buckets_cover_the_rows_with_a_margin():
     for rows in [0, 1, 15, 16, 17, 1000, 91_234, 657_000]:
         cap = capacity.capacity_of(rows, 1.1)
