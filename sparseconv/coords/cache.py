@@ -206,7 +206,11 @@ class CoordinateCache:
         # conv that maps its output coordinates onto its input coordinates.
         step = tuple(d * s for d, s in zip(key.dilation, out.stride if key.transposed else source.stride))
         offsets = _offsets(key.kernel_size, step, -1 if key.transposed else 1, self.device)
-        neighbors = self.table(key.source).neighbors(out.coords, offsets)
+        table = self.table(key.source)
+        if out_id == key.source and center_offset(key.kernel_size) is not None:  # offsets symmetric about 0
+            neighbors = table.self_neighbors(out.coords, offsets)
+        else:
+            neighbors = table.neighbors(out.coords, offsets)
         return self.new_map(key, neighbors, out_id), out_id
 
     def new_map(self, key: KernelMapKey, neighbors: torch.Tensor, out_id: int) -> KernelMap:

@@ -97,6 +97,26 @@ class CoordHashTable:
             _in_row_ranges(launch, m, k, coords.device)
         return out
 
+    def self_neighbors(self, coords: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """:meth:`neighbors` of this table's own set ``coords`` (N, 4) int32 (its rows, in the order the table holds
+        them) through offsets (K, 3) int32 symmetric about a zero centre (K odd; offset K-1-k is minus offset k:
+        a submanifold map's): the first half is looked up and the rest follows from it (row r meets row i
+        through K-1-k exactly when i meets r through k), about half the lookups. -> (N, K) int32, -1 if absent."""
+        m, volume = coords.shape[0], offsets.shape[0]
+        half = volume // 2
+        out = torch.full((m, volume), -1, dtype=torch.int32, device=coords.device)
+        if m:
+            query, coords = warp_launch.kernels().query_self_neighbors, coords.contiguous()
+            offsets = offsets[:half].to(device=coords.device, dtype=torch.int32).contiguous()
+            step = QUERY_STEP_CPU if coords.device.type == "cpu" else max(half, 1)
+
+            def launch(first: int, last: int) -> None:
+                warp_launch.launch(query, (last - first, step), [coords, first, offsets, self.keys, self.values,
+                                                                 self.keys.shape[0] - 1, out, step], coords.device)
+
+            _in_row_ranges(launch, m, half, coords.device)
+        return out
+
 
 def _floor_capacity(rows: int) -> int:
     """Slots of each :func:`floor_sets` table for an input set of ``rows``: a power of two above 1.25 ``rows``

@@ -191,9 +191,10 @@ def _query(cache: CoordinateSets, specs: list[MapSpec], ids: dict[Triple, int], 
                                        for index, rows_in in asked])
             for (index, rows_in), part in zip(asked, parts):
                 transposed[index] = part.view(rows_in, queries[index].volume)
-    else:
-        neighbors = [source.neighbors(out, offsets[q.offset_base: q.offset_base + q.volume])
-                     for out, source, q in zip(outs, sources, queries)]
+    else:  # (a submanifold map's table against itself: half the lookups)
+        neighbors = [(source.self_neighbors if _onto_itself(spec) else source.neighbors)(
+                         out, offsets[q.offset_base: q.offset_base + q.volume])
+                     for spec, out, source, q in zip(specs, outs, sources, queries)]
     built = {}
     for spec, table, table_t in zip(specs, neighbors, transposed):
         key = _key_of(spec, ids)
@@ -261,6 +262,11 @@ def _one_launch(device: torch.device) -> bool:
     than its kernel takes. On the CPU a launch costs little beside its kernel, and the one-map kernel
     is ~20% faster a row (measured on the CI machine's 2 cores): one launch per map there."""
     return device.type == "cuda"
+
+
+def _onto_itself(spec: MapSpec) -> bool:
+    """Whether a regular map's output set is its source set and its offsets symmetric about 0 (odd sizes)."""
+    return spec.stride == (1, 1, 1) and all(k % 2 for k in spec.kernel_size)
 
 
 def copy_pair_counts(maps: list[KernelMap]) -> HostCopy | None:

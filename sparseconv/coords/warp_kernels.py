@@ -174,6 +174,36 @@ def define() -> SimpleNamespace:
                                      wp.int64(0), mask)
             k += step
 
+    @wp.kernel
+    def query_self_neighbors(
+        coords: wp.array2d(dtype=wp.int32),
+        first: wp.int64,
+        offsets: wp.array2d(dtype=wp.int32),
+        table_keys: wp.array(dtype=wp.int64),
+        table_values: wp.array(dtype=wp.int32),
+        mask: wp.int64,
+        neighbors: wp.array2d(dtype=wp.int32),
+        step: wp.int32,
+    ):
+        # A set's table against itself through offsets symmetric about a centre (K = 2H + 1 of them; offset K-1-k
+        # is minus offset k): thread (i, j) of row first + i looks up the first H offsets only (j, j + step, ...,
+        # as query_neighbors), and each neighbour r found through k also has this row as its neighbour through
+        # K-1-k, written there. No two threads write one entry (a set's rows are unique: one row at most reaches
+        # r through k), so ranges of rows may run at once; the centre is the row itself.
+        i, j = wp.tid()
+        row = first + wp.int64(i)
+        half = offsets.shape[0]
+        volume = 2 * half + 1
+        if j == 0:
+            neighbors[row, half] = wp.int32(row)
+        k = j
+        while k < half:
+            found = lookup(shifted_key(coords, row, offsets, wp.int64(k)), table_keys, table_values, wp.int64(0), mask)
+            neighbors[row, k] = found
+            if found >= 0:
+                neighbors[wp.int64(found), volume - 1 - k] = wp.int32(row)
+            k += step
+
     @wp.func
     def floor_slot(key: wp.int64, table_keys: wp.array(dtype=wp.int64), base: wp.int64, mask: wp.int64) -> wp.int64:
         """The slot of ``key`` in the table at ``base`` (``mask + 1`` slots), inserted if absent; -1 if full."""
@@ -401,7 +431,8 @@ def define() -> SimpleNamespace:
         if found >= wp.int32(0) and transposed_base >= wp.int64(0):
             transposed[transposed_base + wp.int64(found) * volume + offset] = wp.int32(local)
 
-    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
+    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors,
+                           query_self_neighbors=query_self_neighbors, insert_checked=insert_checked,
                            query_maps=query_maps, floor_insert=floor_insert,
                            floor_firsts=floor_firsts, floor_compact=floor_compact, generate_cells=generate_cells,
                            generate_compact=generate_compact)

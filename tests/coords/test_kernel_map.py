@@ -123,6 +123,23 @@ def test_a_cpu_query_finds_the_same_neighbours_with_any_offsets_a_thread(step, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel_size, dilation", [((3, 3, 3), 1), ((3, 1, 5), 2), ((5, 5, 5), 1), ((1, 1, 1), 1)])
+@pytest.mark.parametrize("step", [1, 2, 27])
+def test_a_set_queried_against_itself_by_half_its_offsets_finds_every_neighbour(kernel_size, dilation, step, device,
+                                                                                 cpu_query_parts, monkeypatch):
+    # The mirrored half comes from writes by other rows' threads: with steps and row ranges (cpu_query_parts),
+    # no entry may be lost or written twice.
+    monkeypatch.setattr(hashing, "QUERY_STEP_CPU", step)
+    coords = torch.randint(0, 11, (900, 4), dtype=torch.int32)
+    coords[:, 0] %= 2
+    coords = coords.unique(dim=0)
+    offsets = offset_deltas(kernel_size).int() * dilation
+    table = CoordHashTable.build(coords.to(device))
+    found = table.self_neighbors(coords.to(device), offsets.to(device))
+    assert found.cpu().tolist() == brute_force_map(coords, coords, kernel_size, (dilation,) * 3, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_hash_table_finds_every_key_and_nothing_else_at_the_range_limits(device):
     corners = torch.tensor([[0, COORD_MIN, COORD_MIN, COORD_MIN], [4095, COORD_MAX, COORD_MAX, COORD_MAX],
                             [3, COORD_MAX, 0, COORD_MIN]], dtype=torch.int32)
