@@ -166,18 +166,23 @@ class KernelMap:
         built = None if self.kernels is None else self.kernels.pair_lists(self)
         if built is not None:
             return built
-        present = self.neighbors.t() >= 0
-        # The host already knows the pair count (pair_counts), so the compaction needs no sync.
-        found = _nonzero(present, self.num_pairs)
-        # out_idx in an allocation of its own (clone, not contiguous: CUDA's nonzero returns the
-        # transpose of a (2, P) buffer, whose second row starts at 8·P bytes, unaligned for odd P).
-        # Triton compiles a kernel per pointer alignment, so kernels compiled ahead of a sweep for
-        # aligned arrays were compiled again for such maps (H100, 2026-11-25).
-        offset_idx, out_idx = found[:, 0], found[:, 1].clone()
-        in_idx = self.neighbors[out_idx, offset_idx].to(torch.int64)
-        offset_ptr = torch.zeros(self.kernel_volume + 1, dtype=torch.int64, device=present.device)
-        torch.cumsum(self.offset_counts, 0, out=offset_ptr[1:])
+        if self.neighbors.device.type == "cpu":
+            in_idx, out_idx, counts = self._cpu_pair_lists
+        else:  # the host already knows the pair count (pair_counts), so the compaction needs no sync
+            in_idx, out_idx = _pair_lists(self.neighbors, _nonzero(self.neighbors.t() >= 0, self.num_pairs))
+            counts = self.offset_counts
+        offset_ptr = torch.zeros(self.kernel_volume + 1, dtype=torch.int64, device=in_idx.device)
+        torch.cumsum(counts, 0, out=offset_ptr[1:])
         return in_idx, out_idx, offset_ptr
+
+    @functools.cached_property
+    def _cpu_pair_lists(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """On a CPU: (in_idx, out_idx) of :attr:`pairs` and the (K,) int64 counts per offset, the counts from the
+        pairs found (a bincount: the column sums of the (N, K) mask cost 6-9 ms at 92k rows on two cores, more
+        than the lists; every CPU backend reads the lists). nonzero, not nonzero_static: no sync to save, and
+        nonzero runs on every core."""
+        found = (self.neighbors.t() >= 0).nonzero()
+        return *_pair_lists(self.neighbors, found), torch.bincount(found[:, 0], minlength=self.kernel_volume)
 
     @functools.cached_property
     def num_pairs(self) -> int:
@@ -380,17 +385,26 @@ def count_pairs(maps: list[KernelMap], counter: PairCounter | None = None) -> tu
     their device and without a host sync, and where each map's counts start in it; by ``counter`` where
     it can (:attr:`MapKernels.pair_counts`)."""
     counted = None if counter is None else counter(maps)
-    if counted is None:
-        counts = [(kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]
+    if counted is None:  # (a CPU map's with its pair lists)
+        counts = [kernel_map._cpu_pair_lists[2] if kernel_map.neighbors.device.type == "cpu" else
+                  (kernel_map.neighbors >= 0).sum(0) for kernel_map in maps]
         counted = (counts[0] if len(counts) == 1 else torch.cat(counts),
                    list(itertools.accumulate((m.kernel_volume for m in maps[:-1]), initial=0)))
     return counted
 
 
+def _pair_lists(neighbors: torch.Tensor, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(in_idx, out_idx) int64 of the (offset, output row) pairs ``found`` (P, 2) in ``neighbors`` (N, K)."""
+    # out_idx in an allocation of its own (clone, not contiguous: CUDA's nonzero returns the
+    # transpose of a (2, P) buffer, whose second row starts at 8·P bytes, unaligned for odd P).
+    # Triton compiles a kernel per pointer alignment, so kernels compiled ahead of a sweep for
+    # aligned arrays were compiled again for such maps (H100, 2026-11-25).
+    offset_idx, out_idx = found[:, 0], found[:, 1].clone()
+    return neighbors[out_idx, offset_idx].to(torch.int64), out_idx
+
+
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
     """(count, mask.dim()) int64 indices of the True entries of ``mask`` (``count`` of them), in row-major order."""
-    if mask.device.type == "cpu":  # no sync to save there, and nonzero runs on every core (nonzero_static on one)
-        return mask.nonzero()
     try:
         return torch.nonzero_static(mask, size=count)
     except (NotImplementedError, RuntimeError):  # a device without nonzero_static: one more sync
