@@ -18,7 +18,7 @@ import torch
 
 from . import plan
 from .batch import Batch, Builders
-from .hashing import CoordHashTable, floor_sets, generate_set
+from .hashing import CoordHashTable, cell_neighbors, floor_sets, generate_set, tiles_its_cells
 from .keys import COORD_MAX, COORD_MIN, floor_masks, floors_by_mask, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
 from .sets import CoordSet
@@ -206,12 +206,19 @@ class CoordinateCache:
         # conv that maps its output coordinates onto its input coordinates.
         step = tuple(d * s for d, s in zip(key.dilation, out.stride if key.transposed else source.stride))
         offsets = _offsets(key.kernel_size, step, -1 if key.transposed else 1, self.device)
-        table = self.table(key.source)
         if out_id == key.source and center_offset(key.kernel_size) is not None:  # offsets symmetric about 0
-            neighbors = table.self_neighbors(out.coords, offsets)
+            neighbors = self.table(key.source).self_neighbors(out.coords, offsets)
+        elif self.device.type == "cpu" and self._tiles(key):  # (a GPU: one query launch, fewer host ops)
+            neighbors = cell_neighbors(self.table(out_id), out.coords.shape[0], source.coords, source.stride,
+                                       key.kernel_size)
         else:
-            neighbors = table.neighbors(out.coords, offsets)
+            neighbors = self.table(key.source).neighbors(out.coords, offsets)
         return self.new_map(key, neighbors, out_id), out_id
+
+    @staticmethod
+    def _tiles(key: KernelMapKey) -> bool:
+        """Whether ``key``'s map puts each input row in exactly one pair (:func:`tiles_its_cells`)."""
+        return not key.transposed and not key.generative and tiles_its_cells(key.kernel_size, key.stride, key.dilation)
 
     def new_map(self, key: KernelMapKey, neighbors: torch.Tensor, out_id: int) -> KernelMap:
         """The map of a regular or transposed ``key`` whose neighbour table was queried (``neighbors``:
@@ -219,13 +226,10 @@ class CoordinateCache:
         identity = center_offset(key.kernel_size) if out_id == key.source else None
         kernel_map = KernelMap(neighbors, self._sets[key.source].coords.shape[0], key.kernel_size, identity)
         kernel_map.kernels = self.batch.builders.kernels
-        # A kernel equal to its stride (undilated) whose window starts at the output cell's corner
-        # (sizes 1 and 2: larger sizes centre it, see kernel_map) tiles the grid: each input lies in
-        # the window of its own floored cell, which the output set holds. Knowing it lets backends
-        # store instead of accumulating, and the tuner count pairs, with no scan of the map.
-        kernel_map.each_input_once = (not key.transposed and not key.generative and key.kernel_size == key.stride
-                                      and all(k <= 2 for k in key.kernel_size)
-                                      and key.dilation == (1, 1, 1) and key.stride != (1, 1, 1))
+        # A window that tiles the grid puts each input in the window of its own floored cell, which the output
+        # set holds. Knowing it lets backends store instead of accumulating, and the tuner count pairs, with no
+        # scan of the map.
+        kernel_map.each_input_once = self._tiles(key)
         return kernel_map
 
     def _output_set(self, key: KernelMapKey, source: CoordSet) -> int:

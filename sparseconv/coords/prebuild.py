@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from .batch import Builders
-from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_sets, query_many
+from .hashing import (MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, cell_neighbors, floor_sets, query_many,
+                      tiles_its_cells)
 from .keys import floor_masks, floors_by_mask
 from .host_copy import HostCopy
 from .kernel_map import KernelMap, KernelMapKey, Triple, count_pairs, offset_deltas
@@ -191,9 +192,8 @@ def _query(cache: CoordinateSets, specs: list[MapSpec], ids: dict[Triple, int], 
                                        for index, rows_in in asked])
             for (index, rows_in), part in zip(asked, parts):
                 transposed[index] = part.view(rows_in, queries[index].volume)
-    else:  # (a submanifold map's table against itself: half the lookups)
-        neighbors = [(source.self_neighbors if _onto_itself(spec) else source.neighbors)(
-                         out, offsets[q.offset_base: q.offset_base + q.volume])
+    else:
+        neighbors = [_one_table(cache, spec, ids, out, source, offsets[q.offset_base: q.offset_base + q.volume])
                      for spec, out, source, q in zip(specs, outs, sources, queries)]
     built = {}
     for spec, table, table_t in zip(specs, neighbors, transposed):
@@ -264,9 +264,16 @@ def _one_launch(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _onto_itself(spec: MapSpec) -> bool:
-    """Whether a regular map's output set is its source set and its offsets symmetric about 0 (odd sizes)."""
-    return spec.stride == (1, 1, 1) and all(k % 2 for k in spec.kernel_size)
+def _one_table(cache: CoordinateSets, spec: MapSpec, ids: dict[Triple, int], out: torch.Tensor,
+               source: CoordHashTable, offsets: torch.Tensor) -> torch.Tensor:
+    """A regular map's neighbour table by a query of its own (where maps are not queried in one launch): a
+    submanifold map's by half its lookups, a map whose window tiles its cells by a lookup a source row."""
+    if spec.stride == (1, 1, 1) and all(k % 2 for k in spec.kernel_size):  # offsets symmetric about 0
+        return source.self_neighbors(out, offsets)
+    if tiles_its_cells(spec.kernel_size, spec.stride, spec.dilation):
+        return cell_neighbors(cache.table(ids[spec.output_stride]), out.shape[0],
+                              cache.coord_set(ids[spec.source_stride]).coords, spec.source_stride, spec.kernel_size)
+    return source.neighbors(out, offsets)
 
 
 def copy_pair_counts(maps: list[KernelMap]) -> HostCopy | None:

@@ -140,6 +140,21 @@ def test_a_set_queried_against_itself_by_half_its_offsets_finds_every_neighbour(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel_size, fine_stride", [((2, 2, 2), (1, 1, 1)), ((2, 1, 2), (3, 1, 2)),
+                                                       ((1, 2, 2), (2, 2, 2))])
+def test_a_window_that_tiles_its_cells_finds_each_input_by_one_lookup(kernel_size, fine_stride, device):
+    fine = torch.randint(-12, 12, (700, 4), dtype=torch.int32)
+    fine[:, 0] %= 3
+    fine[:, 1:] *= torch.tensor(fine_stride, dtype=torch.int32)
+    fine = fine.unique(dim=0)
+    steps = torch.tensor([f * k for f, k in zip(fine_stride, kernel_size)], dtype=torch.int32)
+    coarse = torch.cat([fine[:, :1], torch.div(fine[:, 1:], steps, rounding_mode="floor") * steps], 1).unique(dim=0)
+    found = hashing.cell_neighbors(CoordHashTable.build(coarse.to(device)), len(coarse), fine.to(device), fine_stride,
+                                   kernel_size)
+    assert found.cpu().tolist() == brute_force_map(fine, coarse, kernel_size, fine_stride, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_hash_table_finds_every_key_and_nothing_else_at_the_range_limits(device):
     corners = torch.tensor([[0, COORD_MIN, COORD_MIN, COORD_MIN], [4095, COORD_MAX, COORD_MAX, COORD_MAX],
                             [3, COORD_MAX, 0, COORD_MIN]], dtype=torch.int32)
