@@ -137,14 +137,15 @@ class CapacityMaps:
 
     def _choose(self, key: KernelMapKey, problem, layer: tuple, feats: torch.Tensor, weight: torch.Tensor) -> Mapping:
         """The layer's parameters: on CUDA, what the tuner picks among :data:`PIN`'s for the layer on the batch's
-        own map (its pool, timings, cache and guard, as an eager call's; the valid rows of the capacity buffer
-        are the batch's features), else the first table tile (the CPU's interpreter)."""
+        own map (its pool, timings, cache and guard, as an eager call's, outside the timing budget; the valid rows
+        of the capacity buffer are the batch's features), else the first table tile (the CPU's interpreter)."""
         real = None if self.real is None else self.real[key]
         if feats.is_cuda and real is not None:
             a, problem_of_batch = feats[: real.num_in], layer_problem(real, layer)
             tuner = tune.get_tuner()
             for _ in range(2):
-                candidate, _ = tuner.choose(PRODUCT, problem_of_batch, PIN, a, weight, real)
+                with tuner.budget.waived():  # timed now: a provisional pick would run at every replay
+                    candidate, _ = tuner.choose(PRODUCT, problem_of_batch, PIN, a, weight, real)
                 if candidate.backend == PIN[0]:
                     return candidate.params_dict
                 tune.wait_for_compiles()  # the reference stood in while the pick compiled

@@ -12,9 +12,10 @@ timed by a later call once the bucket has refilled (:meth:`Tuner.run`'s stand-in
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 SHARE = 0.1
 """Share of wall time the tuner may spend timing inside calls, over any long stretch of calls."""
@@ -33,19 +34,34 @@ class TimingBudget:
         self._clock = clock
         self._level, self._at = burst, None
         self._lock = threading.Lock()
+        self._waived = 0
 
     def allows(self) -> bool:
         """Whether a call may time candidates now."""
         with self._lock:
             self._refill()
-            return self._level > 0.0
+            return self._waived > 0 or self._level > 0.0
 
     def spend(self, seconds: float) -> None:
         """Charge ``seconds`` of timing (the bucket may go below empty: later calls wait for it to refill)."""
         with self._lock:
             self._refill()
-            self._level -= seconds
+            if not self._waived:
+                self._level -= seconds
             self.spent_s += seconds
+
+    @contextlib.contextmanager
+    def waived(self) -> Iterator[None]:
+        """Inside the block timing is always allowed and not charged: a moment the user chose to tune, whose
+        choices then stay (a graph's capture, :mod:`sparseconv.ops.capacity`: a provisional pick captured would
+        run at every replay of the graph)."""
+        with self._lock:
+            self._waived += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waived -= 1
 
     def _refill(self) -> None:
         now = self._clock()
