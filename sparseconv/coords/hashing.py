@@ -82,19 +82,8 @@ class CoordHashTable:
 
     def neighbors(self, coords: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """coords: (M, 4) int32, offsets: (K, 3) int32 -> (M, K) int32 row of coords[i] + offsets[k], -1 if absent."""
-        m, k = coords.shape[0], offsets.shape[0]
-        out = torch.empty((m, k), dtype=torch.int32, device=coords.device)
-        if m and k:
-            query, coords = warp_launch.kernels().query_neighbors, coords.contiguous()
-            offsets = offsets.to(device=coords.device, dtype=torch.int32).contiguous()
-            step = QUERY_STEP_CPU if coords.device.type == "cpu" else k  # (a row's offsets in one thread on a CPU)
-
-            def launch(first: int, last: int) -> None:
-                warp_launch.launch(query, (last - first, step), [coords[first:last], offsets, self.keys, self.values,
-                                                                 self.keys.shape[0] - 1, out[first:last], step],
-                                   coords.device)
-
-            _in_row_ranges(launch, m, k, coords.device)
+        out = torch.empty((coords.shape[0], offsets.shape[0]), dtype=torch.int32, device=coords.device)
+        self._query(coords, offsets, out, False)
         return out
 
     def self_neighbors(self, coords: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -102,20 +91,26 @@ class CoordHashTable:
         them) through offsets (K, 3) int32 symmetric about a zero centre (K odd; offset K-1-k is minus offset k:
         a submanifold map's): the first half is looked up and the rest follows from it (row r meets row i
         through K-1-k exactly when i meets r through k), about half the lookups. -> (N, K) int32, -1 if absent."""
-        m, volume = coords.shape[0], offsets.shape[0]
-        half = volume // 2
-        out = torch.full((m, volume), -1, dtype=torch.int32, device=coords.device)
-        if m:
-            query, coords = warp_launch.kernels().query_self_neighbors, coords.contiguous()
-            offsets = offsets[:half].to(device=coords.device, dtype=torch.int32).contiguous()
-            step = QUERY_STEP_CPU if coords.device.type == "cpu" else max(half, 1)
-
-            def launch(first: int, last: int) -> None:
-                warp_launch.launch(query, (last - first, step), [coords, first, offsets, self.keys, self.values,
-                                                                 self.keys.shape[0] - 1, out, step], coords.device)
-
-            _in_row_ranges(launch, m, half, coords.device)
+        out = torch.full((coords.shape[0], offsets.shape[0]), -1, dtype=torch.int32, device=coords.device)
+        self._query(coords, offsets[: offsets.shape[0] // 2], out, True)
         return out
+
+    def _query(self, coords: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, mirrored: bool) -> None:
+        """query_neighbors of ``coords``' rows through ``offsets`` into ``out`` (``mirrored``: see the kernel), on a
+        CPU in row ranges at once (:func:`_in_row_ranges`)."""
+        m, k = coords.shape[0], offsets.shape[0]
+        if not m or not (k or mirrored):
+            return
+        query, coords = warp_launch.kernels().query_neighbors, coords.contiguous()
+        offsets = offsets.to(device=coords.device, dtype=torch.int32).contiguous()
+        step = QUERY_STEP_CPU if coords.device.type == "cpu" else max(k, 1)  # (a row's offsets in one thread on a CPU)
+
+        def launch(first: int, last: int) -> None:
+            warp_launch.launch(query, (last - first, step), [coords, first, offsets, self.keys, self.values,
+                                                             self.keys.shape[0] - 1, out, step, int(mirrored)],
+                               coords.device)
+
+        _in_row_ranges(launch, m, k, coords.device)
 
 
 def _floor_capacity(rows: int) -> int:

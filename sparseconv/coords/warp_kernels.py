@@ -157,26 +157,6 @@ def define() -> SimpleNamespace:
     @wp.kernel
     def query_neighbors(
         coords: wp.array2d(dtype=wp.int32),
-        offsets: wp.array2d(dtype=wp.int32),
-        table_keys: wp.array(dtype=wp.int64),
-        table_values: wp.array(dtype=wp.int32),
-        mask: wp.int64,
-        neighbors: wp.array2d(dtype=wp.int32),
-        step: wp.int32,
-    ):
-        # Thread (i, j): row i's offsets j, j + step, ...: on a GPU one offset a thread (launched (rows, K), step
-        # K); on a CPU, where "threads" run one after the other and each pays its own setup, a row's offsets in
-        # one thread (launched (rows, 1), step 1): 128 -> 99 ms for a 92k-voxel 3^3 table on one core.
-        i, j = wp.tid()
-        k = j
-        while k < offsets.shape[0]:
-            neighbors[i, k] = lookup(shifted_key(coords, wp.int64(i), offsets, wp.int64(k)), table_keys, table_values,
-                                     wp.int64(0), mask)
-            k += step
-
-    @wp.kernel
-    def query_self_neighbors(
-        coords: wp.array2d(dtype=wp.int32),
         first: wp.int64,
         offsets: wp.array2d(dtype=wp.int32),
         table_keys: wp.array(dtype=wp.int64),
@@ -184,24 +164,26 @@ def define() -> SimpleNamespace:
         mask: wp.int64,
         neighbors: wp.array2d(dtype=wp.int32),
         step: wp.int32,
+        mirrored: wp.int32,
     ):
-        # A set's table against itself through offsets symmetric about a centre (K = 2H + 1 of them; offset K-1-k
-        # is minus offset k): thread (i, j) of row first + i looks up the first H offsets only (j, j + step, ...,
-        # as query_neighbors), and each neighbour r found through k also has this row as its neighbour through
-        # K-1-k, written there. No two threads write one entry (a set's rows are unique: one row at most reaches
-        # r through k), so ranges of rows may run at once; the centre is the row itself.
+        # Thread (i, j): row first + i's offsets j, j + step, ...: on a GPU one offset a thread (launched (rows, K),
+        # step K); on a CPU, where "threads" run one after the other and each pays its own setup, a row's offsets
+        # in one thread (launched (rows, 1), step 1): 128 -> 99 ms for a 92k-voxel 3^3 table on one core.
+        # ``mirrored``: a set's table against itself through offsets symmetric about a centre (2H + 1 of them, the
+        # first H given): each neighbour r found through k also has this row as its neighbour through 2H - k,
+        # written there, and the centre is the row itself. No two threads write one entry (a set's rows are
+        # unique: one row at most reaches r through k), so ranges of rows may run at once.
         i, j = wp.tid()
         row = first + wp.int64(i)
-        half = offsets.shape[0]
-        volume = 2 * half + 1
-        if j == 0:
-            neighbors[row, half] = wp.int32(row)
+        count = offsets.shape[0]
+        if mirrored != 0 and j == 0:
+            neighbors[row, count] = wp.int32(row)
         k = j
-        while k < half:
+        while k < count:
             found = lookup(shifted_key(coords, row, offsets, wp.int64(k)), table_keys, table_values, wp.int64(0), mask)
             neighbors[row, k] = found
-            if found >= 0:
-                neighbors[wp.int64(found), volume - 1 - k] = wp.int32(row)
+            if mirrored != 0 and found >= 0:
+                neighbors[wp.int64(found), 2 * count - k] = wp.int32(row)
             k += step
 
     @wp.func
@@ -431,8 +413,7 @@ def define() -> SimpleNamespace:
         if found >= wp.int32(0) and transposed_base >= wp.int64(0):
             transposed[transposed_base + wp.int64(found) * volume + offset] = wp.int32(local)
 
-    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors,
-                           query_self_neighbors=query_self_neighbors, insert_checked=insert_checked,
+    return SimpleNamespace(wp=wp, insert=insert, query_neighbors=query_neighbors, insert_checked=insert_checked,
                            query_maps=query_maps, floor_insert=floor_insert,
                            floor_firsts=floor_firsts, floor_compact=floor_compact, generate_cells=generate_cells,
                            generate_compact=generate_compact)
