@@ -187,8 +187,8 @@ class _Graph:
         torch.cuda.synchronize(self.feats.device)
         self.maps.renew()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.out = self._pass()
+        with torch.cuda.device(self.feats.device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.out = self._pass()  # (on the input's GPU, whichever is current)
         self.graph = graph
 
     def _pass(self) -> object:
@@ -200,7 +200,8 @@ class _Graph:
         self.feats[: len(input)].copy_(input.feats)
         self.maps.load(maps)
         if self.graph is not None:
-            self.graph.replay()
+            with torch.cuda.device(self.feats.device):
+                self.graph.replay()
             out = self.out
         else:  # the views on the tables built again, as a replay builds them
             self.maps.renew()
