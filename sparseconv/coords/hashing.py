@@ -287,7 +287,7 @@ def cell_neighbors(coarse: CoordHashTable, rows: int, fine: torch.Tensor, fine_s
     of them missing (8 a cell for 1.6 fine rows a cell at street1's first stride: 14.6 -> ~5 ms on a 2-core CPU)."""
     volume = kernel_size[0] * kernel_size[1] * kernel_size[2]
     steps = [f * k for f, k in zip(fine_stride, kernel_size)]
-    on = dict(dtype=torch.int32, device=fine.device)
+    on = {"dtype": torch.int32, "device": fine.device}
     if all(v & (v - 1) == 0 for v in (*steps, *fine_stride)):  # powers of two: masks and shifts (a floor
         # division of int32 costs a 2-core CPU ~1 ms a 92k x 3 array)
         low = fine[:, 1:] & torch.tensor([v - 1 for v in steps], **on)
