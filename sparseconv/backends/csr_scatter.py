@@ -60,8 +60,8 @@ def _product(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, transpose:
             torch.mm(a.index_select(0, out_idx if transpose else in_idx), weights[k], out=stacked[start:end])
             start = end
     out = scatter @ stacked
-    if kernel_map.identity_offset is not None:
-        out += torch.mm(a, weights[kernel_map.identity_offset])
+    if kernel_map.identity_offset is not None:  # (added by the GEMM itself: no temporary, no pass of its own)
+        out.addmm_(a, weights[kernel_map.identity_offset])
     return out
 
 
