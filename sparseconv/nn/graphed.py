@@ -24,7 +24,8 @@ from ..ops.capacity import CapacityCache, CapacityMaps, MapRecorder, capacity_of
 from ..tensor import SparseTensor
 
 
-def graphed(module: nn.Module, margin: float = 1.1, capture: bool | None = None) -> GraphedModule:
+def graphed(module: nn.Module, margin: float = 1.1, capture: bool | None = None, max_buckets: int = 4
+            ) -> GraphedModule:
     """``module``'s inference on new point clouds, replayed from CUDA graphs: a callable taking the
     SparseTensor ``module`` takes and returning what it returns, a SparseTensor or tuples, lists, named tuples or
     dicts of them (equal to the eager pass's, but for the rounding of differently ordered sums: its convs run
@@ -38,7 +39,9 @@ def graphed(module: nn.Module, margin: float = 1.1, capture: bool | None = None)
     ``margin``: each coordinate set's capacity is its count on the captured batch times ``margin``, rounded up
     (:func:`~sparseconv.ops.capacity.capacity_of`): clouds whose sets are at most that much larger replay the
     same graph. Each captured graph holds its own memory (the pass's activations at capacity, the tables).
-    ``capture``: capture CUDA graphs (default: on CUDA; on the CPU, where a replay saves nothing, the default
+    ``max_buckets``: the graphs kept at most; a new one past it replaces the one used least recently (a data set
+    of widely varying cloud sizes would otherwise keep a graph, and its memory, per size met). A cloud runs on
+    the smallest graph it fits. ``capture``: capture CUDA graphs (default: on CUDA; on the CPU, where a replay saves nothing, the default
     runs the module itself); ``capture=False``: the same fixed-size pass runs eagerly, uncaptured (what CI
     checks on the CPU).
     """
@@ -46,7 +49,9 @@ def graphed(module: nn.Module, margin: float = 1.1, capture: bool | None = None)
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not margin >= 1.0:
         raise ValueError(f"margin must be a number >= 1.0, got {margin!r}")
-    return GraphedModule(module, float(margin), capture)
+    if isinstance(max_buckets, bool) or not isinstance(max_buckets, int) or max_buckets < 1:
+        raise ValueError(f"max_buckets must be an int >= 1, got {max_buckets!r}")
+    return GraphedModule(module, float(margin), capture, max_buckets)
 
 
 class Bucket(NamedTuple):
@@ -63,8 +68,8 @@ class GraphedModule:
     """What :func:`graphed` returns: call it like the module. ``captures``: the graphs captured so far;
     ``buckets``: the :class:`Bucket` of each graph held now (a bucket that grew replaced the one it grew from)."""
 
-    def __init__(self, module: nn.Module, margin: float, capture: bool | None) -> None:
-        self.module, self.margin, self._capture = module, margin, capture
+    def __init__(self, module: nn.Module, margin: float, capture: bool | None, max_buckets: int = 4) -> None:
+        self.module, self.margin, self._capture, self.max_buckets = module, margin, capture, max_buckets
         self._requests: list[tuple[KernelMapKey, int]] | None = None
         self._input_id = 0
         self._graphs: list[_Graph] = []
@@ -86,9 +91,12 @@ class GraphedModule:
             if self._requests is None:
                 self._record(input)
             maps, rows, sets = self._build_maps(input)
-            graph = next((g for g in self._graphs if g.takes(input, rows)), None)
+            graph = min((g for g in self._graphs if g.takes(input, rows)), key=_Graph.size, default=None)
             if graph is None:
                 graph = self._new_graph(input, maps, rows)
+            else:  # the most recently used last: the first is what a new graph past max_buckets replaces
+                self._graphs.remove(graph)
+                self._graphs.append(graph)
             return graph.run(input, maps, rows, sets)
 
     def _record(self, input: SparseTensor) -> None:
@@ -131,6 +139,7 @@ class GraphedModule:
         capture = self._capture is not False
         if capture and not input.feats.is_cuda:
             raise ValueError(f"capture=True needs a CUDA input, got features on {input.feats.device}")
+        del self._graphs[: max(0, len(self._graphs) - self.max_buckets + 1)]  # the least recently used go first
         cuda = input.feats.is_cuda
         if cuda:  # (the capture empties torch's cache: emptied first too, the difference is the bucket's own)
             torch.cuda.synchronize(input.device)
@@ -159,6 +168,10 @@ class _Graph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: object = None
         """The captured pass's output (SparseTensors on the bucket's buffers, in the module's structure)."""
+
+    def size(self) -> int:
+        """Rows of every set's capacity together (what a pass over this graph's buffers costs, roughly)."""
+        return sum(self.maps.capacities.values())
 
     def takes(self, input: SparseTensor, rows: dict[int, int]) -> bool:
         """Whether a batch (its ``rows`` per recorded set id) runs on this graph."""

@@ -65,7 +65,7 @@ def test_a_larger_cloud_gets_a_bucket_of_its_own_and_the_first_still_serves():
             eager = model(SparseTensor(x.coords, x.feats))
         _check_equal(run(x), eager, 1e-10)
     assert run.captures == 2
-    small_bucket, large_bucket = run.buckets
+    small_bucket, large_bucket = sorted(run.buckets, key=lambda bucket: bucket.capacities[0])
     assert all(a <= b for a, b in zip(small_bucket.capacities, large_bucket.capacities))
     assert small_bucket.seconds > 0 and small_bucket.memory_bytes == 0  # (no CUDA memory on the CPU)
 
@@ -88,6 +88,24 @@ def test_a_cloud_whose_coarse_sets_overflow_grows_the_bucket_of_its_size():
     assert run.captures == 2 and len(run.buckets) == 1
     capacities = run.buckets[0].capacities
     assert capacities[0] == capacity.capacity_of(1000, 1.0) and capacities[1] >= 900
+
+
+def test_at_most_max_buckets_graphs_stay_the_least_recently_used_going_first():
+    model = _model(torch.float64)
+    run = sparseconv.graphed(model, capture=False, max_buckets=2)
+    small, middle, large = (_cloud(n, torch.float64) for n in (150, 600, 1500))
+    for x in (small, middle, small, large):  # small used after middle: middle is the one replaced
+        with torch.no_grad():
+            eager = model(SparseTensor(x.coords, x.feats))
+        _check_equal(run(x), eager, 1e-10)
+    assert run.captures == 3 and len(run.buckets) == 2
+    kept = sorted(bucket.capacities[0] for bucket in run.buckets)
+    assert kept[0] >= len(small) and kept[0] < len(middle) and kept[1] >= len(large)
+    for x in (_cloud(140, torch.float64), _cloud(1400, torch.float64)):  # each on its own, smallest, graph
+        run(x)
+    assert run.captures == 3
+    with pytest.raises(ValueError, match="max_buckets"):
+        sparseconv.graphed(model, max_buckets=0)
 
 
 def test_padded_rows_never_reach_a_result(monkeypatch):
