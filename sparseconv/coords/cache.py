@@ -206,14 +206,21 @@ class CoordinateCache:
         # conv that maps its output coordinates onto its input coordinates.
         step = tuple(d * s for d, s in zip(key.dilation, out.stride if key.transposed else source.stride))
         offsets = _offsets(key.kernel_size, step, -1 if key.transposed else 1, self.device)
+        return self.new_map(key, self.query(key, out_id, offsets), out_id), out_id
+
+    def query(self, key: KernelMapKey, out_id: int, offsets: torch.Tensor) -> torch.Tensor:
+        """The (N_out, K) int32 neighbour table of a regular or transposed ``key`` onto the set ``out_id`` by a query
+        of its own, ``offsets`` (K, 3) int32 its kernel's in voxels: a submanifold map's by half its lookups, on a
+        CPU a map whose window tiles its cells by one lookup a source row (a GPU's: one query launch, fewer host
+        ops), else one lookup a (row, offset)."""
+        out = self._sets[out_id]
         if out_id == key.source and center_offset(key.kernel_size) is not None:  # offsets symmetric about 0
-            neighbors = self.table(key.source).self_neighbors(out.coords, offsets)
-        elif self.device.type == "cpu" and self._tiles(key):  # (a GPU: one query launch, fewer host ops)
-            neighbors = cell_neighbors(self.table(out_id), out.coords.shape[0], source.coords, source.stride,
-                                       key.kernel_size)
-        else:
-            neighbors = self.table(key.source).neighbors(out.coords, offsets)
-        return self.new_map(key, neighbors, out_id), out_id
+            return self.table(key.source).self_neighbors(out.coords, offsets)
+        if self.device.type == "cpu" and self._tiles(key):
+            source = self._sets[key.source]
+            return cell_neighbors(self.table(out_id), out.coords.shape[0], source.coords, source.stride,
+                                  key.kernel_size)
+        return self.table(key.source).neighbors(out.coords, offsets)
 
     @staticmethod
     def _tiles(key: KernelMapKey) -> bool:

@@ -20,8 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .batch import Builders
-from .hashing import (MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, cell_neighbors, floor_sets, query_many,
-                      tiles_its_cells)
+from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_sets, query_many
 from .keys import floor_masks, floors_by_mask
 from .host_copy import HostCopy
 from .kernel_map import KernelMap, KernelMapKey, Triple, count_pairs, offset_deltas
@@ -193,8 +192,8 @@ def _query(cache: CoordinateSets, specs: list[MapSpec], ids: dict[Triple, int], 
             for (index, rows_in), part in zip(asked, parts):
                 transposed[index] = part.view(rows_in, queries[index].volume)
     else:
-        neighbors = [_one_table(cache, spec, ids, out, source, offsets[q.offset_base: q.offset_base + q.volume])
-                     for spec, out, source, q in zip(specs, outs, sources, queries)]
+        neighbors = [cache.query(_key_of(spec, ids), ids[spec.output_stride],
+                                 offsets[q.offset_base: q.offset_base + q.volume]) for spec, q in zip(specs, queries)]
     built = {}
     for spec, table, table_t in zip(specs, neighbors, transposed):
         key = _key_of(spec, ids)
@@ -262,18 +261,6 @@ def _one_launch(device: torch.device) -> bool:
     than its kernel takes. On the CPU a launch costs little beside its kernel, and the one-map kernel
     is ~20% faster a row (measured on the CI machine's 2 cores): one launch per map there."""
     return device.type == "cuda"
-
-
-def _one_table(cache: CoordinateSets, spec: MapSpec, ids: dict[Triple, int], out: torch.Tensor,
-               source: CoordHashTable, offsets: torch.Tensor) -> torch.Tensor:
-    """A regular map's neighbour table by a query of its own (where maps are not queried in one launch): a
-    submanifold map's by half its lookups, a map whose window tiles its cells by a lookup a source row."""
-    if spec.stride == (1, 1, 1) and all(k % 2 for k in spec.kernel_size):  # offsets symmetric about 0
-        return source.self_neighbors(out, offsets)
-    if tiles_its_cells(spec.kernel_size, spec.stride, spec.dilation):
-        return cell_neighbors(cache.table(ids[spec.output_stride]), out.shape[0],
-                              cache.coord_set(ids[spec.source_stride]).coords, spec.source_stride, spec.kernel_size)
-    return source.neighbors(out, offsets)
 
 
 def copy_pair_counts(maps: list[KernelMap]) -> HostCopy | None:

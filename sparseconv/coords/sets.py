@@ -52,5 +52,8 @@ class CoordinateSets(Protocol):
     def build(self, key: KernelMapKey) -> tuple[KernelMap, int]:
         """The map of ``key`` and its output set id, built now."""
 
+    def query(self, key: KernelMapKey, out_id: int, offsets: torch.Tensor) -> torch.Tensor:
+        """The neighbour table of ``key`` onto ``out_id`` by a query of its own."""
+
     def new_map(self, key: KernelMapKey, neighbors: torch.Tensor, out_id: int) -> KernelMap:
         """The map of ``key`` from its queried neighbour table."""
