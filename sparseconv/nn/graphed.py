@@ -5,7 +5,7 @@ replayed CUDA graph issues the whole pass in one call. A graph replays fixed siz
 on fixed-size buffers (:mod:`sparseconv.ops.capacity`): each coordinate set of the batch has a capacity (its
 count times ``margin``, rounded up to a bucket) and each kernel map a neighbour table of its output set's capacity.
 Per call the batch's maps are built eagerly as ever (the map plan, with its host syncs), copied into the tables of
-the first captured graph whose capacities the batch fits, the features copied in, the graph replayed and the
+the smallest captured graph whose capacities the batch fits, the features copied in, the graph replayed and the
 output's valid rows copied out; a batch that fits no graph is captured into a new one.
 """
 
@@ -135,7 +135,6 @@ class GraphedModule:
         if grown is not None:
             capacities = {set_id: max(rows_, grown.maps.capacities[set_id]) for set_id, rows_ in capacities.items()}
             self._graphs.remove(grown)  # its buffers and the graph's memory go with it
-            del grown
         capture = self._capture is not False
         if capture and not input.feats.is_cuda:
             raise ValueError(f"capture=True needs a CUDA input, got features on {input.feats.device}")
@@ -208,8 +207,9 @@ class _Graph:
         return _check_output(self.module(self.input), self.input.cache)
 
     def run(self, input: SparseTensor, maps: dict[KernelMapKey, KernelMap], rows: dict[int, int],
-            sets: dict[int, int]) -> SparseTensor:
-        """The pass on ``input`` (its ``maps``, the ``rows`` of its sets, its set ids: by recorded set id)."""
+            sets: dict[int, int]) -> object:
+        """The pass on ``input`` (its ``maps``, the ``rows`` of its sets, its set ids: by recorded set id): the
+        module's output structure, each SparseTensor's valid rows on the batch's own set."""
         self.feats[: len(input)].copy_(input.feats)
         self.maps.load(maps)
         if self.graph is not None:

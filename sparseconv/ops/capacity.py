@@ -3,10 +3,10 @@
 A captured pass replays the same launches with the same sizes on every point cloud, so what changes between
 clouds must live in buffers the launches read. In a capacity pass every coordinate set of the batch has a
 *capacity* (rows of its features: at least its count) and every kernel map is a (capacity of its output set, K)
-int32 neighbour table whose rows past the map's output count hold -1 (:class:`CapacityMaps`). A conv is then one
-launch over its table (:func:`conv`: mask_implicit_gemm's product over a table, which visits the offsets its
-rows have: a row of -1 reads nothing and stores zeros), sized by the capacities, never by the cloud, and with no
-host synchronisation. Rows past a set's count hold whatever the pass computes there; no valid row reads them (a
+int32 neighbour table whose rows past the map's output count hold -1 (:class:`CapacityMaps`). A conv is then
+mask_implicit_gemm's product over its table (:meth:`CapacityMaps.conv`; a row of -1 reads nothing and stores
+zeros), its views built on the device from the table, sized by the capacities, never by the cloud, with no host
+synchronisation. Rows past a set's count hold whatever the pass computes there; no valid row reads them (a
 table's valid rows name valid rows only) and row-wise operations (norms, activations, 1x1 convs,
 concatenations, residual sums) keep rows apart, so they never change a result.
 
@@ -56,8 +56,8 @@ class CapacityMaps:
     """One capture's kernel maps as fixed-size neighbour tables.
 
     ``requests``: the maps a recorded pass asked for, in order, as (key, id of its output set) with set ids
-    of the recorded batch; ``capacities``: rows per set id of the recorded batch; ``volumes``: per request,
-    its kernel volume. Each request gets a (capacity of its output set, K) int32 table filled with -1
+    of the recorded batch; ``capacities``: rows per set id of the recorded batch. Each request gets a
+    (capacity of its output set, K) int32 table filled with -1
     (:attr:`tables`) and a :class:`KernelMap` over it whose input count is its source set's capacity.
     """
 
@@ -189,7 +189,7 @@ def gathered_product(table: torch.Tensor) -> Product:
 
 class CapacityCache:
     """What a capacity pass's tensors hold as their coordinate cache: the capture's :class:`CapacityMaps` (read by
-    the convs through :attr:`Batch.capacity`) and each set's stride. It builds no map and knows no coordinates:
+    the convs through :attr:`Batch.capacity`). It builds no map and knows no coordinates:
     an operation that needs them (pooling, per-sample norms, ``coords``, ``batch_size``) raises, naming graph mode."""
 
     def __init__(self, maps: CapacityMaps, device: torch.device) -> None:
