@@ -87,6 +87,8 @@ PHASES = (
     ("hash tables of new tensors", "sparseconv.coords.hashing", "CoordHashTable.build_checked"),
     ("Triton compiles", "triton.compiler", "compile"),
     ("Triton launches", "sparseconv.backends.triton_launch", "_launch"),
+    ("  Triton's JIT: its key, its caches, its compiles", "triton.runtime.jit", "JITFunction._do_compile"),
+    ("  Triton's kernel loads", "triton.compiler.compiler", "CompiledKernel._init_handles"),
     ("CUDA C++ compiles", "sparseconv.backends.cuda_jit", "_compile"),
     ("compile workers started", "sparseconv.backends.compiling", "_spawn_worker"),
     ("tuning sweeps", "sparseconv.tune.sweep", "sweep"),

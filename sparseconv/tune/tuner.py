@@ -155,10 +155,13 @@ class Tuner:
         deterministic = settings[1]
         choice = self._choices.get(memo)
         if choice is None or not _current(choice):
-            if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):  # compiling: the reference runs meanwhile
-                return _REFERENCE, registry.get(FALLBACK), False
             stand_in = self._stand_ins.get(memo)
-            if stand_in is not None and stand_in[1] and not self.budget.allows():
+            loaded = stand_in is not None and stand_in[1]
+            if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
+                # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else the reference.
+                return (stand_in[0], registry.get(stand_in[0].backend), False) if loaded else (
+                    _REFERENCE, registry.get(FALLBACK), False)
+            if loaded and not self.budget.allows():
                 # Loaded and waiting for the budget: no pool, no cache read (~0.4 ms a call, 76 calls of a step).
                 return stand_in[0], registry.get(stand_in[0].backend), False
             with self._lock:
@@ -260,7 +263,7 @@ class Tuner:
         fresh: list[Candidate] = []
         started = time.perf_counter()
         if missing:
-            stand_in = self._stand_in(namespace, key, pool, effort, memo)
+            stand_in = self._stand_in(namespace, key, pool, effort, evidence, a, memo)
             if stand_in is not None:
                 return _Provisional(stand_in), False  # its kernels may compile in the background meanwhile
             elsewhere = self._timed_elsewhere(namespace, encoded, pool, a, key.deterministic)
@@ -269,9 +272,10 @@ class Tuner:
             refuse_tuning_in_trace(namespace, encoded, a)
             fresh = self._sweep(namespace, key, problem, pool, missing, effort, evidence, a, b, kernel_map, memo)
             if fresh is None:
-                # Timed once compiled (a later call); the reference runs meanwhile. The claim stays ours:
-                # other ranks run the pool's first until the choice is published.
-                return _Provisional(_REFERENCE), True
+                # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
+                # claim stays ours: other ranks run the pool's first until the choice is published.
+                held = self._stand_ins.get(memo)
+                return _Provisional(held[0] if held is not None and held[1] else _REFERENCE), True
         choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
         timed_s = time.perf_counter() - started
         choice = _adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
@@ -297,20 +301,37 @@ class Tuner:
             missing = prior.unknown(self.cache, namespace, key, missing)
         return missing
 
-    def _stand_in(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, memo: tuple
-                  ) -> Candidate | None:
-        """What a key with candidates to time runs while the timing budget is spent (:mod:`.budget`): the
-        cost model's first pick, untimed, until a later call finds the budget refilled and times the key.
-        None (time it now) where the budget allows, under effort full (tuning ahead), in deterministic
-        mode (which kernel ran would depend on the clock), or without a model fitted to pick."""
-        if effort != "quick" or key.deterministic or self.budget.allows():
+    def _stand_in(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence,
+                  a: torch.Tensor, memo: tuple) -> Candidate | None:
+        """What a key with candidates to time runs instead of timing them in this call, untimed: the cheapest
+        candidate its records passed (this cache's or the shipped tunings'), else the cost model's first pick.
+
+        Where kernels compile in the background (a GPU, eagerly: :func:`compiling.in_background`) a key never
+        times at its first calls: it runs the stand-in (the reference while the stand-in's own kernels
+        compile) and a later call, once the stand-in is loaded and the timing budget allows, queues the
+        candidates to time to the background compiles and times them when compiled, the stand-in running
+        meanwhile. A cold process's first pass compiled and timed in its calls (4 of its 8.7 s at 91k on an
+        H200, 2026-11-28: a shipped key's four candidates the shipped tunings lacked). Elsewhere the stand-in
+        runs only while the budget is spent (:mod:`.budget`). None (time it now) under effort full (tuning
+        ahead), in deterministic mode (which kernel ran would depend on the clock), or with neither records
+        nor a fitted model to pick from."""
+        if effort != "quick" or key.deterministic:
             return None
         held = self._stand_ins.get(memo)
+        first_calls = (held is None or not held[1]) and compiling.in_background(a, key.deterministic)
+        if not first_calls and self.budget.allows():
+            return None
         if held is None:
-            costs = prior.predicted(self.cache, namespace, key, pool)
-            if not costs:
-                return None
-            held = self._stand_ins[memo] = (min((c for c in pool if c.id in costs), key=lambda c: costs[c.id]), False)
+            passing = evidence.passing(pool)
+            if passing:
+                best = pick(evidence.timings, [c.id for c in passing])
+                choice = next(c for c in passing if c.id == best)
+            else:
+                costs = prior.predicted(self.cache, namespace, key, pool)
+                if not costs:
+                    return None
+                choice = min((c for c in pool if c.id in costs), key=lambda c: costs[c.id])
+            held = self._stand_ins[memo] = (choice, False)
         return held[0]
 
     def _timed_elsewhere(self, namespace: str, encoded: str, pool: list[Candidate], a: torch.Tensor,
@@ -337,9 +358,11 @@ class Tuner:
         the background first (:meth:`ChoiceCompiles.defer`)."""
         encoded, fresh = key.encode(), []
         passed = lambda: evidence.any_passed(pool)  # noqa: E731
+        held = self._stand_ins.get(memo)
+        loaded = held is not None and held[1]
         for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
-            if len(batch) <= SWEEP_IN_BACKGROUND and self._compiles.defer(memo, namespace, problem, batch, a,
-                                                                          kernel_map, key.deterministic):
+            if (len(batch) <= SWEEP_IN_BACKGROUND or loaded) and self._compiles.defer(
+                    memo, namespace, problem, batch, a, kernel_map, key.deterministic):
                 return None
             done = dict(evidence.timings)
             evidence.timings.update(compile_and_sweep(
@@ -386,7 +409,8 @@ class Tuner:
 
 SWEEP_IN_BACKGROUND = prior.QUICK_TOP
 """A sweep of at most this many candidates (the cost model's picks) compiles in the background; a
-larger one (no model yet: the whole pool) compiles in the call. Measured on an H100 (street1
+larger one (no model yet: the whole pool) compiles in the call, unless the key has a loaded stand-in
+(:meth:`Tuner._stand_in`) to run meanwhile instead of the reference. Measured on an H100 (street1
 MinkUNet, fp16, no tunings at all): with every sweep in the background the first training step
 took 3.7 s but ~800 compile jobs kept the network on the reference (339 ms a step against 90)
 for over 40 s, while compiling in the call took 49 s and then ran tuned: fewer steps done in

@@ -267,7 +267,7 @@ def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_ti
     assert tuner.budget.spent_s > 0
 
 
-def test_a_waiting_key_keeps_its_stand_in_after_a_sweep_that_ran_the_reference_while_compiling(monkeypatch):
+def test_a_waiting_key_keeps_its_loaded_stand_in_while_its_sweep_compiles(monkeypatch):
     from sparseconv.tune.budget import TimingBudget
 
     calls = Calls()
@@ -285,12 +285,81 @@ def test_a_waiting_key_keeps_its_stand_in_after_a_sweep_that_ran_the_reference_w
         tuner.budget = TimingBudget(share=0.0, burst=0.0)
         assert algorithm() == algorithm() == "fake_speeds[level=4]"  # the stand-in, loaded
         tuner.budget = TimingBudget()
-        # The budget allows a sweep, whose kernels compile in the background first (as on a GPU): the reference runs.
+        # The budget allows a sweep, whose kernels compile in the background first (as on a GPU): the stand-in
+        # runs meanwhile, not the reference, in the call that queued them and in those while they compile.
         monkeypatch.setattr(tuner._compiles, "defer", lambda *args: True)
-        assert algorithm() == "explicit_gemm"
+        assert algorithm() == "fake_speeds[level=4]"
+        monkeypatch.setattr(tuner._compiles, "pending", lambda memo: True)
+        monkeypatch.setattr(sparseconv.tune.tuner.compiling, "on_gpu_eagerly", lambda a: True)
+        assert algorithm() == "fake_speeds[level=4]"
         monkeypatch.undo()
-        tuner.budget = TimingBudget(share=0.0, burst=0.0)  # spent again before the sweep ran
-        assert algorithm() == "fake_speeds[level=4]"  # the stand-in again, not the reference
+        assert sum(calls.counts.values()) == 4  # nothing timed yet
+        assert algorithm() == "fake_speeds[level=3]"  # compiled: timed, and the winner settled
+        assert [c[2] for c in tuner.choices()] == ["fake_speeds[level=3]"]
+
+
+def test_where_kernels_compile_in_the_background_a_new_key_runs_a_pick_at_once_and_a_later_call_times_it(
+        monkeypatch):
+    from sparseconv.tune import tuner as tuner_module
+
+    monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
+    compiling = []  # the candidate lists queued to the background compiles, by call
+    calls = Calls()
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
+    weight = torch.randn(27, 4, 5)
+
+    def algorithm() -> str:
+        record: dict = {}
+        sparse_conv3d(x, weight, record=record, fwd_algo=["fake_speeds"])
+        return record[FWD]
+
+    with registered(_speeds(calls)):
+        _seed_cache(fastest=4)
+        tuner = sparseconv.tune.get_tuner()
+        queued = {}
+
+        def defer(memo, namespace, problem, candidates, a, kernel_map, deterministic):
+            ids = tuple(c.id for c in candidates)
+            compiling.append(ids)
+            queued[ids] = queued.get(ids, 0) + 1
+            return queued[ids] == 1  # compiling at its first call, compiled at the next
+
+        monkeypatch.setattr(tuner._compiles, "defer", defer)
+        # The budget allows timing, yet the first call neither times nor compiles in the call: the model's pick
+        # compiles in the background while the reference runs, then runs itself.
+        assert algorithm() == "explicit_gemm"
+        assert algorithm() == "fake_speeds[level=4]"
+        assert compiling == [("fake_speeds[level=4]",)] * 2 and sum(calls.counts.values()) == 1
+        assert tuner.choices() == [] and tuner.budget.spent_s == 0
+        # A later call queues the sweep's candidates (more than a background sweep's size would do without a
+        # stand-in) and runs the stand-in; once they compiled, a call times them and settles the winner.
+        assert algorithm() == "fake_speeds[level=4]"
+        assert len(compiling) == 3 and set(compiling[2]) == {"fake_speeds[level=3]", "fake_speeds[level=4]",
+                                                               "fake_speeds[level=5]"}
+        assert sum(calls.counts.values()) == 2
+        assert algorithm() == "fake_speeds[level=3]"
+        assert tuner.budget.spent_s > 0 and [c[2] for c in tuner.choices()] == ["fake_speeds[level=3]"]
+
+
+def test_where_kernels_compile_in_the_background_a_new_key_runs_its_records_best_untimed(monkeypatch):
+    from sparseconv.tune import tuner as tuner_module
+
+    calls = Calls()
+    with registered(_speeds(calls)):
+        _seed_cache()
+        _conv(fwd_algo=["fake_speeds"])  # timed (on the CPU, in the call): the key's entry
+        monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
+        cache = sparseconv.tune.get_tuner().cache
+        ((key, stored),) = [(k, e) for _, k, e in cache.items(FWD) if len(e["timings"]) < 6]
+        # Records where level 2 passed fastest and level 0 is unknown: the model would time level 0.
+        timings = {cid: t for cid, t in stored["timings"].items() if cid != "fake_speeds[level=0]"}
+        timings["fake_speeds[level=2]"] = {**timings["fake_speeds[level=2]"], "ms": 1e-3, "host_ms": 1e-3}
+        cache.put(FWD, key, {**stored, "timings": timings, "winner": "fake_speeds[level=2]"})
+        sparseconv.tune.reset()
+        calls.counts.clear()
+        monkeypatch.setattr(sparseconv.tune.get_tuner()._compiles, "defer", lambda *args: False)
+        record = _conv(fwd_algo=["fake_speeds"])
+    assert record[FWD] == "fake_speeds[level=2]" and sum(calls.counts.values()) == 1  # the run: nothing timed
 
 
 @pytest.mark.parametrize("setting", ["full", "deterministic"])
