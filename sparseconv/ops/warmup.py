@@ -15,7 +15,9 @@ def warmup(model: nn.Module, example_input: object) -> None:
     tuple of the model's arguments) so that every conv product it makes is tuned.
 
     Tuning times candidate kernels, which a trace or a CUDA-graph capture cannot do (the tuner
-    refuses there); a compiled model then finds every choice made. If layers ran the reference
+    refuses there); a compiled model then finds every choice made. Its passes time every new key at
+    once, outside the timing budget (:meth:`~sparseconv.tune.budget.TimingBudget.waived`), where a
+    plain call would run a pick untimed and time the key later. If layers ran the reference
     while their kernels compiled in the background (:func:`sparseconv.tune.wait_for_compiles`),
     it waits for them and runs the model once more, so that every choice is compiled and loaded
     before a capture. It also hands the kernel-map keys of this batch to
@@ -33,11 +35,12 @@ def warmup(model: nn.Module, example_input: object) -> None:
     model = getattr(model, "_orig_mod", model)  # an OptimizedModule (torch.compile) would trace instead
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     tuner = get_tuner()
-    for _ in range(2):
-        _forward_backward(model, args)
-        if not tuner.compiling():
-            break
-        tuner.wait_for_compiles()
+    with tuner.budget.waived():  # every key timed now (no stand-in, whatever the timing budget holds)
+        for _ in range(2):
+            _forward_backward(model, args)
+            if not tuner.compiling():
+                break
+            tuner.wait_for_compiles()
     inputs = [a for a in args if isinstance(a, SparseTensor)]
     if inputs:
         from . import compiled  # here: it loads Dynamo

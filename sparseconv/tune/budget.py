@@ -50,11 +50,16 @@ class TimingBudget:
                 self._level -= seconds
             self.spent_s += seconds
 
+    @property
+    def waiving(self) -> bool:
+        """Whether a :meth:`waived` stretch is running: a key met now is timed at once, with no stand-in."""
+        return self._waived > 0
+
     @contextlib.contextmanager
     def waived(self) -> Iterator[None]:
-        """Inside the block timing is always allowed and not charged: a moment the user chose to tune, whose
-        choices then stay (a graph's capture, :mod:`sparseconv.ops.capacity`: a provisional pick captured would
-        run at every replay of the graph)."""
+        """Inside the block timing is always allowed and not charged, and keys are timed at once: a moment the
+        user chose to tune, whose choices then stay (:func:`sparseconv.warmup`; a graph's capture,
+        :mod:`sparseconv.ops.capacity`: a provisional pick captured would run at every replay of the graph)."""
         with self._lock:
             self._waived += 1
         try:

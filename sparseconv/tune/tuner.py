@@ -314,8 +314,8 @@ class Tuner:
         H200, 2026-11-28: a shipped key's four candidates the shipped tunings lacked). Elsewhere the stand-in
         runs only while the budget is spent (:mod:`.budget`). None (time it now) under effort full (tuning
         ahead), in deterministic mode (which kernel ran would depend on the clock), or with neither records
-        nor a fitted model to pick from."""
-        if effort != "quick" or key.deterministic:
+        nor a fitted model to pick from, or inside :meth:`TimingBudget.waived` (a moment chosen to tune)."""
+        if effort != "quick" or key.deterministic or self.budget.waiving:
             return None
         held = self._stand_ins.get(memo)
         first_calls = (held is None or not held[1]) and compiling.in_background(a, key.deterministic)

@@ -362,6 +362,21 @@ def test_where_kernels_compile_in_the_background_a_new_key_runs_its_records_best
     assert record[FWD] == "fake_speeds[level=2]" and sum(calls.counts.values()) == 1  # the run: nothing timed
 
 
+def test_inside_a_waived_stretch_a_new_key_is_timed_at_once_where_kernels_compile_in_the_background(monkeypatch):
+    from sparseconv.tune import tuner as tuner_module
+
+    monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
+    calls = Calls()
+    with registered(_speeds(calls)):
+        _seed_cache(fastest=4)
+        tuner = sparseconv.tune.get_tuner()
+        monkeypatch.setattr(tuner._compiles, "defer", lambda *args: False)  # compiled
+        with tuner.budget.waived():  # as sparseconv.warmup and a graph's capture run
+            record = _conv(fwd_algo=["fake_speeds"])
+    assert {i for i in range(6) if calls.of(f"fake_speeds[{i}]")} == {3, 4, 5}
+    assert [c[2] for c in tuner.choices()] == [record[FWD]] == ["fake_speeds[level=3]"]
+
+
 @pytest.mark.parametrize("setting", ["full", "deterministic"])
 def test_effort_full_and_deterministic_mode_time_a_new_key_even_over_the_budget(monkeypatch, setting):
     from sparseconv.tune.budget import TimingBudget
