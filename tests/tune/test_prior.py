@@ -298,12 +298,70 @@ def test_a_waiting_key_keeps_its_loaded_stand_in_while_its_sweep_compiles(monkey
         assert [c[2] for c in tuner.choices()] == ["fake_speeds[level=3]"]
 
 
-def test_where_kernels_compile_in_the_background_a_new_key_runs_a_pick_at_once_and_a_later_call_times_it(
-        monkeypatch):
+def _seed_levels(levels, fastest: int = 0) -> None:
+    """:func:`_seed_cache` with only ``levels`` timed at each key (the others unknown to the cost model)."""
+    cache = sparseconv.tune.get_tuner().cache
+    _seed_cache(fastest)
+    for namespace, encoded, stored in list(cache.items(FWD)):
+        cache.put(namespace, encoded, {**stored, "timings": {f"fake_speeds[level={i}]": stored["timings"][
+            f"fake_speeds[level={i}]"] for i in levels}})
+
+
+def _background(monkeypatch, tuner) -> list:
+    """Kernels compile in the background (as on a GPU): a list of the candidate ids queued there, each list
+    compiling at its first queueing and compiled at the next."""
     from sparseconv.tune import tuner as tuner_module
 
     monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
-    compiling = []  # the candidate lists queued to the background compiles, by call
+    queued: list = []
+
+    def defer(memo, namespace, problem, candidates, a, kernel_map, deterministic):
+        queued.append(tuple(c.id for c in candidates))
+        return queued.count(queued[-1]) == 1
+
+    monkeypatch.setattr(tuner._compiles, "defer", defer)
+    return queued
+
+
+def test_where_kernels_compile_in_the_background_a_recorded_key_runs_its_best_at_once_and_times_the_rest_later(
+        monkeypatch):
+    calls = Calls()
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
+    weight = torch.randn(27, 4, 5)
+
+    def algorithm() -> str:
+        record: dict = {}
+        sparse_conv3d(x, weight, record=record, fwd_algo=["fake_speeds"])
+        return record[FWD]
+
+    with registered(_speeds(calls)):
+        _seed_levels(range(5), fastest=4)  # level 5: unknown to the cost model, timed wherever met
+        algorithm()  # this key's records (on the CPU, timed in the call)
+        cache = sparseconv.tune.get_tuner().cache
+        ((key, stored),) = [(k, e) for _, k, e in cache.items(FWD) if "fake_speeds[level=5]" in e["timings"]]
+        # As shipped tunings older than level 5 would hold the key: level 4 passed, level 5 untimed.
+        cache.put(FWD, key, {**stored, "timings": {"fake_speeds[level=4]": stored["timings"]["fake_speeds[level=4]"]},
+                             "winner": "fake_speeds[level=4]"})
+        sparseconv.tune.reset()
+        calls.counts.clear()
+        tuner = sparseconv.tune.get_tuner()
+        queued = _background(monkeypatch, tuner)
+        # The budget allows timing, yet the first calls neither time nor compile in the call: the records' best
+        # compiles in the background while the reference runs, then runs itself.
+        assert algorithm() == "explicit_gemm"
+        assert algorithm() == "fake_speeds[level=4]"
+        assert queued == [("fake_speeds[level=4]",)] * 2 and sum(calls.counts.values()) == 1
+        assert tuner.choices() == [] and tuner.budget.spent_s == 0
+        # A later call queues the candidate the records lack and runs the stand-in; once it compiled, a call
+        # times it and settles the winner.
+        assert algorithm() == "fake_speeds[level=4]"
+        assert queued[2:] == [("fake_speeds[level=5]",)] and not calls.of("fake_speeds[5]")
+        assert algorithm() == "fake_speeds[level=4]"
+        assert calls.of("fake_speeds[5]") and tuner.budget.spent_s > 0
+        assert [c[2] for c in tuner.choices()] == ["fake_speeds[level=4]"]
+
+
+def test_where_kernels_compile_in_the_background_a_key_without_records_compiles_its_sweep_first(monkeypatch):
     calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
     weight = torch.randn(27, 4, 5)
@@ -316,50 +374,12 @@ def test_where_kernels_compile_in_the_background_a_new_key_runs_a_pick_at_once_a
     with registered(_speeds(calls)):
         _seed_cache(fastest=4)
         tuner = sparseconv.tune.get_tuner()
-        queued = {}
-
-        def defer(memo, namespace, problem, candidates, a, kernel_map, deterministic):
-            ids = tuple(c.id for c in candidates)
-            compiling.append(ids)
-            queued[ids] = queued.get(ids, 0) + 1
-            return queued[ids] == 1  # compiling at its first call, compiled at the next
-
-        monkeypatch.setattr(tuner._compiles, "defer", defer)
-        # The budget allows timing, yet the first call neither times nor compiles in the call: the model's pick
-        # compiles in the background while the reference runs, then runs itself.
-        assert algorithm() == "explicit_gemm"
-        assert algorithm() == "fake_speeds[level=4]"
-        assert compiling == [("fake_speeds[level=4]",)] * 2 and sum(calls.counts.values()) == 1
-        assert tuner.choices() == [] and tuner.budget.spent_s == 0
-        # A later call queues the sweep's candidates (more than a background sweep's size would do without a
-        # stand-in) and runs the stand-in; once they compiled, a call times them and settles the winner.
-        assert algorithm() == "fake_speeds[level=4]"
-        assert len(compiling) == 3 and set(compiling[2]) == {"fake_speeds[level=3]", "fake_speeds[level=4]",
-                                                               "fake_speeds[level=5]"}
-        assert sum(calls.counts.values()) == 2
-        assert algorithm() == "fake_speeds[level=3]"
-        assert tuner.budget.spent_s > 0 and [c[2] for c in tuner.choices()] == ["fake_speeds[level=3]"]
-
-
-def test_where_kernels_compile_in_the_background_a_new_key_runs_its_records_best_untimed(monkeypatch):
-    from sparseconv.tune import tuner as tuner_module
-
-    calls = Calls()
-    with registered(_speeds(calls)):
-        _seed_cache()
-        _conv(fwd_algo=["fake_speeds"])  # timed (on the CPU, in the call): the key's entry
-        monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
-        cache = sparseconv.tune.get_tuner().cache
-        ((key, stored),) = [(k, e) for _, k, e in cache.items(FWD) if len(e["timings"]) < 6]
-        # Records where level 2 passed fastest and level 0 is unknown: the model would time level 0.
-        timings = {cid: t for cid, t in stored["timings"].items() if cid != "fake_speeds[level=0]"}
-        timings["fake_speeds[level=2]"] = {**timings["fake_speeds[level=2]"], "ms": 1e-3, "host_ms": 1e-3}
-        cache.put(FWD, key, {**stored, "timings": timings, "winner": "fake_speeds[level=2]"})
-        sparseconv.tune.reset()
-        calls.counts.clear()
-        monkeypatch.setattr(sparseconv.tune.get_tuner()._compiles, "defer", lambda *args: False)
-        record = _conv(fwd_algo=["fake_speeds"])
-    assert record[FWD] == "fake_speeds[level=2]" and sum(calls.counts.values()) == 1  # the run: nothing timed
+        queued = _background(monkeypatch, tuner)
+        assert algorithm() == "explicit_gemm"  # the reference while the sweep compiles
+        assert len(queued) == 1 and set(queued[0]) == {f"fake_speeds[level={i}]" for i in (3, 4, 5)}
+        assert not calls.counts
+        assert algorithm() == "fake_speeds[level=3]"  # compiled: timed and settled
+        assert {i for i in range(6) if calls.of(f"fake_speeds[{i}]")} == {3, 4, 5}
 
 
 def test_inside_a_waived_stretch_a_new_key_is_timed_at_once_where_kernels_compile_in_the_background(monkeypatch):
