@@ -116,41 +116,26 @@ class Background:
         done, not_done = concurrent.futures.wait(jobs, timeout=timeout)
         return not not_done
 
-    def start_ahead(self) -> None:
-        """Start the workers now, before a first job: a cold process's first batch queues its jobs after building
-        its maps (Warp's start and module builds, seconds on a fresh machine), which the workers' own start (their
-        imports of torch and Triton, seconds too) then overlaps instead of following."""
-        with self._lock:
-            if self._queue is None:
-                self._start(ahead=True)
-
-    def _start(self, ahead: bool = False) -> queue.Queue:
+    def _start(self) -> queue.Queue:
         if self._queue is None:
             self._queue = queue.Queue()
             for i in range(self._workers):
-                threading.Thread(target=self._feed, args=(ahead,), name=f"sparseconv-background-compile-{i}",
-                                 daemon=True).start()
+                threading.Thread(target=self._feed, name=f"sparseconv-background-compile-{i}", daemon=True).start()
         return self._queue
 
-    def _feed(self, ahead: bool = False) -> None:
+    def _feed(self) -> None:
         """One worker process, fed one job at a time (a daemon thread that only waits on pipes).
         A worker idle for IDLE_S goes (its compiler's CUDA context holds ~0.5 GB of the GPU); the
-        next job starts another. ``ahead``: start the worker now, and let it wait AHEAD_IDLE_S for a first job."""
-        worker, idle = None, IDLE_S
-        if ahead:
-            try:
-                worker, idle = _spawn_worker(), AHEAD_IDLE_S
-            except Exception as error:  # noqa: BLE001 - the first job starts one, and reports a failure
-                logger.debug("sparseconv: a compile worker did not start ahead: %s", error)
+        next job starts another."""
+        worker = None
         while True:
             try:
-                job, payload, queued = self._queue.get(timeout=idle if worker is not None else None)
+                job, payload, queued = self._queue.get(timeout=IDLE_S if worker is not None else None)
             except queue.Empty:
                 worker.stdin.close()
                 worker.wait()
                 worker = None
                 continue
-            idle = IDLE_S
             if not job.set_running_or_notify_cancel():
                 continue
             try:
@@ -178,8 +163,6 @@ MAX_WORKERS = 4
 """Each worker's compiler loads its kernels, which holds a CUDA context (~0.5 GB on an H100)
 while it lives: 4 workers at most, gone IDLE_S after the last job."""
 IDLE_S = 5.0
-AHEAD_IDLE_S = 30.0
-"""How long a worker started ahead of any job (:meth:`Background.start_ahead`) waits for a first one."""
 
 
 def _spawn_worker() -> subprocess.Popen:
@@ -206,14 +189,6 @@ def in_background(a: torch.Tensor, deterministic: bool) -> bool:
     unless deterministic (which kernel runs would depend on compile times), tracing or capturing a CUDA graph
     (what runs meanwhile would be recorded), or switched off (``SPARSECONV_BACKGROUND_COMPILE=0``)."""
     return on_gpu_eagerly(a) and not deterministic and config.background_compile()
-
-
-def start_ahead(device: torch.device) -> None:
-    """Start the compile workers now where kernels will compile in them (:func:`in_background` on ``device``):
-    called at a batch's first map request, ahead of the jobs its layers queue (:meth:`Background.start_ahead`)."""
-    if (device.type == "cuda" and config.background_compile() and not config.deterministic()
-            and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()):
-        background().start_ahead()
 
 
 def kernel_ready(tensor: torch.Tensor, key: Hashable, hook: Callable, args: tuple) -> bool:

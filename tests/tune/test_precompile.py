@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 import torch
@@ -250,46 +249,6 @@ def test_background_jobs_that_compile_the_same_kernels_are_one_job(tmp_path, mon
     assert background.ready("layer 3", background_fakes.precompile, args, compiles="kernel B")
     assert not background.queued()
     assert len((tmp_path / "compiled.log").read_text().split()) == 2  # kernel A once, kernel B once
-
-
-def test_workers_started_ahead_are_running_before_a_first_job_and_then_take_it(tmp_path, monkeypatch):
-    import background_fakes
-
-    from sparseconv.backends import compiling
-
-    spawned = []
-    spawn = compiling._spawn_worker
-    monkeypatch.setattr(compiling, "_spawn_worker", lambda: spawned.append(spawn()) or spawned[-1])
-    monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
-    background = compiling.Background(workers=2)
-    background.start_ahead()
-    background.start_ahead()  # once
-    deadline = time.monotonic() + 30
-    while len(spawned) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(spawned) == 2 and all(worker.poll() is None for worker in spawned)  # running, no job yet
-    args = (FWD, None, {}, None)
-    assert not background.ready("layer", background_fakes.precompile, args, compiles="kernel A")
-    assert background.wait(timeout=60)
-    assert background.ready("layer", background_fakes.precompile, args, compiles="kernel A")
-    assert len(spawned) == 2  # the job ran in a worker started ahead
-    assert (tmp_path / "compiled.log").read_text().split()[-1] in {str(worker.pid) for worker in spawned}
-
-
-def test_workers_start_ahead_only_where_kernels_compile_in_the_background(monkeypatch):
-    from sparseconv.backends import compiling
-
-    started = []
-    monkeypatch.setattr(compiling.Background, "start_ahead", lambda self: started.append(1))
-    compiling.start_ahead(torch.device("cpu"))
-    assert not started
-    if torch.cuda.is_available():
-        monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
-        compiling.start_ahead(torch.device("cuda"))
-        assert not started
-        monkeypatch.delenv("SPARSECONV_BACKGROUND_COMPILE")
-        compiling.start_ahead(torch.device("cuda"))
-        assert started
 
 
 def test_a_sweep_waits_for_its_candidates_to_compile_in_the_background(tmp_path, monkeypatch):
