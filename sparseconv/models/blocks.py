@@ -53,11 +53,11 @@ class BasicBlock(nn.Module):
         # In inference each norm runs fused with what follows it (BatchNorm.forward_fused): the first with
         # its ReLU, the second with the sum and the ReLU; the modules run one by one otherwise.
         hidden = self.conv1(input)
-        fused = fused_norm_relu(self.norm1, self.relu, hidden)
+        fused = fused_norm_relu(self.norm1, self.relu, hidden, made_by=self.conv1)
         hidden = self.relu(self.norm1(hidden)) if fused is None else fused
         out = self.conv2(hidden)
         skip = input if self.shortcut is None else self.shortcut(input)
-        fused = fused_norm_relu(self.norm2, None, out, skip)
+        fused = fused_norm_relu(self.norm2, None, out, skip, made_by=self.conv2)
         if fused is not None:
             return fused
         out = self.norm2(out)

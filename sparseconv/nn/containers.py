@@ -16,14 +16,16 @@ class Sequential(nn.Sequential):
     """nn.Sequential of modules that take and return SparseTensors.
 
     In inference, a :class:`BatchNorm` followed by a :class:`ReLU` runs as one pass
-    (:meth:`BatchNorm.forward_fused`), unless a hook watches the ReLU."""
+    (:meth:`BatchNorm.forward_fused`), unless a hook watches the ReLU; after a conv of this container no
+    hook watches, in place on the conv's output."""
 
     def forward(self, input):
         modules = tuple(self._modules.values())
         last, at = len(modules) - 1, 0
         while at <= last:
             module = modules[at]
-            fused = fused_norm_relu(module, modules[at + 1], input) if at < last else None
+            made_by = modules[at - 1] if at else None  # this pass's own intermediate, or the caller's input
+            fused = fused_norm_relu(module, modules[at + 1], input, made_by=made_by) if at < last else None
             if fused is not None:
                 input, at = fused, at + 2
                 continue

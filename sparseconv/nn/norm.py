@@ -14,6 +14,7 @@ from torch import nn
 from ..ops.features import channel_affine, norm_affine
 from ..tensor import SparseTensor
 from . import functional as F
+from .conv import SparseConv3d
 from .features import OnFeatures, ReLU, check_channels, features_of, unwatched
 
 
@@ -44,12 +45,13 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
         return input.replace(torch.addcmul(shift, feats, scale))
 
     def forward_fused(self, input: SparseTensor, residual: SparseTensor | None = None,
-                      relu: bool = False) -> SparseTensor | None:
+                      relu: bool = False, inplace: bool = False) -> SparseTensor | None:
         """This norm, then ``+ residual`` (a SparseTensor on the same coordinates) and a ReLU if ``relu``,
         in one pass (:func:`sparseconv.ops.features.channel_affine`) where the norm is the inference
         affine map (eval mode, running statistics, autograd off) and no hook watches it; None otherwise,
         and the caller runs its modules. What :class:`~sparseconv.nn.Sequential` and the ResNet blocks
-        do with a norm followed by a ReLU."""
+        do with a norm followed by a ReLU. ``inplace``: ``input``'s features may be overwritten (the
+        caller's intermediate, which nothing else reads)."""
         if (self.training or torch.is_grad_enabled() or self.running_mean is None or self.running_var is None
                 or not unwatched(self)):
             return None
@@ -63,7 +65,7 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
         out = norm_affine(feats, self.running_mean, self.running_var, self.weight, self.bias, self.eps, other, relu)
         if out is None:
             scale, shift = self._affine(feats.dtype)
-            out = channel_affine(feats, scale, shift, other, relu)
+            out = channel_affine(feats, scale, shift, other, relu, inplace)
         return SparseTensor._derived(out, input.cache, input.coord_id)
 
     def _train(self, input: SparseTensor) -> SparseTensor:
@@ -114,14 +116,16 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
 
 
 def fused_norm_relu(norm: nn.Module, relu: nn.Module | None, input: SparseTensor,
-                    residual: SparseTensor | None = None) -> SparseTensor | None:
+                    residual: SparseTensor | None = None, made_by: nn.Module | None = None) -> SparseTensor | None:
     """``relu(norm(input) [+ residual])`` in one pass (:meth:`BatchNorm.forward_fused`) where ``norm`` is a
     BatchNorm that can and ``relu``, the module after it, is a ReLU no hook watches (None: a functional ReLU);
     None otherwise, and the caller runs the modules. :class:`~sparseconv.nn.Sequential` and the ResNet blocks
-    call it."""
+    call it. ``made_by``: the module whose output ``input`` is, within the caller's pass: a conv no hook
+    watches made a new tensor nothing else reads, which the pass then overwrites."""
     if type(norm) is not BatchNorm or not (relu is None or (type(relu) is ReLU and unwatched(relu))):
         return None
-    return norm.forward_fused(input, residual, relu=True)
+    inplace = made_by is not None and type(made_by) is SparseConv3d and unwatched(made_by)
+    return norm.forward_fused(input, residual, relu=True, inplace=inplace)
 
 
 class SyncBatchNorm(OnFeatures, nn.SyncBatchNorm):

@@ -28,13 +28,17 @@ BLOCK = 1024
 
 
 def channel_affine(feats: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                   residual: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
-    """``feats * scale + shift``, plus ``residual`` if given, through a ReLU if ``relu``: a new tensor.
+                   residual: torch.Tensor | None = None, relu: bool = False, inplace: bool = False) -> torch.Tensor:
+    """``feats * scale + shift``, plus ``residual`` if given, through a ReLU if ``relu``: a new tensor, or
+    ``feats`` itself overwritten where ``inplace`` (the caller's promise that nothing else reads it) and
+    torch's ops run it.
 
     feats: (N, C) float16/bfloat16/float32; scale, shift: (C,) of its dtype and device; residual: (N, C)
     like feats. On a GPU with Triton (or under its interpreter), one kernel computes it in fp32 and
     rounds once; elsewhere torch's ops do, rounding after each, and so under torch.compile, which traces
-    them (and fuses them itself) where it could not trace the kernel's launch.
+    them (and fuses them itself) where it could not trace the kernel's launch. In place, torch's ops
+    allocate nothing: on a CPU a new (N, C) output cost more than the arithmetic (first touches of its
+    pages), 1.9 -> 0.7 ms for a 91k x 32 norm and ReLU, 7.8 -> 2.7 ms for 91k x 64 with the sum (2 threads).
     """
     if (residual is not None or relu) and _fusable(feats, scale, shift, residual) and not torch.compiler.is_compiling():
         out = torch.empty_like(feats)
@@ -44,6 +48,11 @@ def channel_affine(feats: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
                                      feats if residual is None else residual, out, numel, feats.shape[1],
                                      BLOCK=BLOCK, RESIDUAL=residual is not None, RELU=relu):
             return out
+    if inplace and not torch.compiler.is_compiling() and (residual is None or residual.dtype == feats.dtype):
+        out = torch.addcmul(shift, feats, scale, out=feats)
+        if residual is not None:
+            out.add_(residual)
+        return out.relu_() if relu else out
     out = torch.addcmul(shift, feats, scale)
     if residual is not None:
         out = out + residual  # promoted as the modules' own sum would be (a wider residual widens the result)

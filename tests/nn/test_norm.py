@@ -201,9 +201,9 @@ def _count_fused(monkeypatch):
             calls.append((residual, relu))
         return out
 
-    def pair(feats, scale, shift, residual=None, relu=False):
-        calls.append((residual, relu))
-        return from_pair(feats, scale, shift, residual, relu)
+    def pair(feats, scale, shift, residual=None, relu=False, inplace=False):
+        calls.append((residual, relu, inplace))
+        return from_pair(feats, scale, shift, residual, relu, inplace)
 
     monkeypatch.setattr(norm_module, "norm_affine", statistics)
     monkeypatch.setattr(norm_module, "channel_affine", pair)
@@ -232,6 +232,30 @@ def test_an_inference_norm_and_its_relu_run_fused_in_sequential_and_match_the_mo
     assert len(seen) == 1 and len(calls) == 1 and torch.allclose(hooked.feats, expected, atol=1e-5)
     block(x)
     assert len(calls) == 1, "autograd on: the norm's own forward"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_fused_norm_overwrites_only_its_own_convs_unwatched_output(device, monkeypatch):
+    torch.manual_seed(3)
+    x = _batch(device, channels=8, dtype=torch.float32)
+    before = x.feats.clone()
+    block = Sequential(SparseConv3d(8, 8, 3).to(device), _eval_norm(8, device, torch.float32), ReLU(inplace=True))
+    calls = _count_fused(monkeypatch)
+    with torch.no_grad():
+        expected = torch.relu(block[1](block[0](x)).feats)
+        got = block(x)
+        seen = []
+        handle = block[0].register_forward_hook(lambda module, args, out: seen.append(out.feats.clone()) or
+                                                seen.append(out))
+        hooked = block(x)
+        handle.remove()
+        alone = Sequential(block[1], block[2])(x)  # the norm first: its input is the caller's
+    torch.testing.assert_close(got.feats, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hooked.feats, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(seen[1].feats, seen[0]), "a hook's view of the conv's output stays the conv's output"
+    assert torch.equal(x.feats, before) and not torch.equal(alone.feats, before)
+    if calls and len(calls[0]) == 3:  # through torch's ops (the fused kernel writes a new tensor either way)
+        assert [call[2] for call in calls] == [True, False, False]
 
 
 @pytest.mark.parametrize("device", DEVICES)
