@@ -267,10 +267,8 @@ def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_ti
     assert tuner.budget.spent_s > 0
 
 
-def test_a_waiting_key_keeps_its_loaded_stand_in_while_its_sweep_compiles(monkeypatch):
-    from sparseconv.tune.budget import TimingBudget
-
-    calls = Calls()
+def _one_layer():
+    """A call of one conv layer on inputs fixed for the test (one key), returning the forward's candidate id."""
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
     weight = torch.randn(27, 4, 5)
 
@@ -279,6 +277,14 @@ def test_a_waiting_key_keeps_its_loaded_stand_in_while_its_sweep_compiles(monkey
         sparse_conv3d(x, weight, record=record, fwd_algo=["fake_speeds"])
         return record[FWD]
 
+    return algorithm
+
+
+def test_a_waiting_key_keeps_its_loaded_stand_in_while_its_sweep_compiles(monkeypatch):
+    from sparseconv.tune.budget import TimingBudget
+
+    calls = Calls()
+    algorithm = _one_layer()
     with registered(_speeds(calls)):
         _seed_cache(fastest=4)
         tuner = sparseconv.tune.get_tuner()
@@ -326,14 +332,7 @@ def _background(monkeypatch, tuner) -> list:
 def test_where_kernels_compile_in_the_background_a_recorded_key_runs_its_best_at_once_and_times_the_rest_later(
         monkeypatch):
     calls = Calls()
-    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
-    weight = torch.randn(27, 4, 5)
-
-    def algorithm() -> str:
-        record: dict = {}
-        sparse_conv3d(x, weight, record=record, fwd_algo=["fake_speeds"])
-        return record[FWD]
-
+    algorithm = _one_layer()
     with registered(_speeds(calls)):
         _seed_levels(range(5), fastest=4)  # level 5: unknown to the cost model, timed wherever met
         algorithm()  # this key's records (on the CPU, timed in the call)
@@ -363,14 +362,7 @@ def test_where_kernels_compile_in_the_background_a_recorded_key_runs_its_best_at
 
 def test_where_kernels_compile_in_the_background_a_key_without_records_compiles_its_sweep_first(monkeypatch):
     calls = Calls()
-    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
-    weight = torch.randn(27, 4, 5)
-
-    def algorithm() -> str:
-        record: dict = {}
-        sparse_conv3d(x, weight, record=record, fwd_algo=["fake_speeds"])
-        return record[FWD]
-
+    algorithm = _one_layer()
     with registered(_speeds(calls)):
         _seed_cache(fastest=4)
         tuner = sparseconv.tune.get_tuner()
