@@ -129,6 +129,7 @@ def passes_child(args) -> None:
         after.append(wall)
         after_phases.append(seconds)
     worst = max(range(len(after)), key=after.__getitem__)
+    tuning = sparseconv.tune.progress()._asdict() if name == "ours" else None  # after the 20 passes
     passes[f"worst of next 20 (#{worst + 1})"], phases[f"worst of next 20 (#{worst + 1})"] = after[worst], after_phases[worst]
     if name == "ours":
         import sparseconv.tune
@@ -143,9 +144,8 @@ def passes_child(args) -> None:
         steady.append(time.perf_counter() - begin)
     measured("new scene inference", second[0], "infer")
     measured("new scene step", second[1], "step")
-    timing_s = sparseconv.tune.get_tuner().budget.spent_s if name == "ours" else None
     print(json.dumps({"import torch": imported_torch, "import": imported, "model": built, "passes": passes,
-                      "timing_s": timing_s,
+                      "tuning": tuning,
                       "phases": phases, "after": after, "steady": statistics.median(steady)}))
 
 
@@ -177,8 +177,10 @@ def passes_table(results: dict[str, dict], args) -> None:
         print("| wall | " + " | ".join(f"{result['passes'][label]:.2f}" for label in labels) + " |")
         for phase in result["phases"][labels[0]]:
             print(f"| {phase} | " + " | ".join(f"{result['phases'][label][phase]:.2f}" for label in labels) + " |")
+        tuning = result["tuning"]
         print(f"\n{name}: the next 20 inferences, ms: " + " ".join(f"{1e3 * s:.0f}" for s in result["after"])
-              + f"; candidates timed inside calls, all passes: {result['timing_s']:.2f} s")
+              + f"; after them the tuner had {tuning['settled']} products tuned, {tuning['untimed']} running a pick "
+              f"untimed, {tuning['compiling']} waiting for background compiles, {tuning['timed_s']:.2f} s timed in calls")
 
 
 def run_config(config: str, args) -> dict:

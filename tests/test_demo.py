@@ -39,6 +39,8 @@ def test_tiny_demo_trains_scores_plots_and_leaves_the_callers_rng_alone(tmp_path
     text = format_report(report)
     for expected in ("MinkUNet14 (width 4", "training: 4 steps", "loss, mean over", "held-out mIoU", "furniture"):
         assert expected in text
+    done = report["tuner"]["progress"]
+    assert f"tuner at the end: {done['settled']} products tuned, {done['untimed']} running a pick untimed" in text
     if HAS_MATPLOTLIB:
         assert report["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "bird's-eye picture" in text

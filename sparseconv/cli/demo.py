@@ -233,7 +233,10 @@ def _tuner_report(model: torch.nn.Module) -> dict:
         for name, module in model.named_modules()
         if isinstance(module, SparseConv3d)
     }
-    return {"layers": layers, "cache": _cache_path(), "effort": config.autotune_effort()}
+    from ..tune import progress
+
+    return {"layers": layers, "cache": _cache_path(), "effort": config.autotune_effort(),
+            "progress": progress()._asdict()}
 
 
 def _tuner_lines(report: dict) -> list[str]:
@@ -246,6 +249,11 @@ def _tuner_lines(report: dict) -> list[str]:
     for name, (fwd, dgrad, wgrad) in tuner["layers"].items():
         lines.append(f"  {name:<{width}}  {fwd} / {dgrad} / {wgrad}")
     lines.append(f"tuning cache: {tuner['cache']}")
+    done = tuner.get("progress")
+    if done:
+        lines.append(f"tuner at the end: {done['settled']} products tuned, {done['untimed']} running a pick untimed "
+                     f"(later calls time them), {done['compiling']} waiting for kernels compiling in the background; "
+                     f"{done['timed_s']:.1f} s spent timing inside the steps")
     return lines
 
 

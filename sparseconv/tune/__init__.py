@@ -24,7 +24,7 @@ from .cache import TuneCache
 from .configs import Candidate, Config
 from .decorator import autotune
 from .key import TuneKey, make_key
-from .tuner import Tuner
+from .tuner import Progress, Tuner
 
 
 @functools.cache
@@ -54,6 +54,14 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     map's views whose kernels are not compiled yet are built by torch's ops meanwhile
     (``SPARSECONV_BACKGROUND_COMPILE=0`` compiles them in the call instead)."""
     return get_tuner().wait_for_compiles(timeout)
+
+
+def progress() -> Progress:
+    """Where the process's tuning stands: products settled, running a pick untimed (timed by a later call),
+    running the reference while their kernels compile in the background, and the seconds spent timing inside
+    calls (:class:`~sparseconv.tune.tuner.Progress`). Tuning never pauses a call for long; this says what is
+    still to come."""
+    return get_tuner().progress()
 
 
 def run(
@@ -87,6 +95,6 @@ def prepare_planned(wanted: list[tuple[KernelMap, MapUse, list]]) -> None:
 
 
 __all__ = [
-    "Candidate", "Config", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key", "prepare_planned",
-    "reset", "run", "wait_for_compiles",
+    "Candidate", "Config", "Progress", "TuneCache", "TuneKey", "Tuner", "autotune", "get_tuner", "make_key",
+    "prepare_planned", "progress", "reset", "run", "wait_for_compiles",
 ]

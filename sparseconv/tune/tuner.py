@@ -249,6 +249,13 @@ class Tuner:
         compiling in the background and have not run them since (0: none; see :meth:`wait_for_compiles`)."""
         return self._compiles.background.queued()
 
+    def progress(self) -> Progress:
+        """Where this process's tuning stands (:class:`Progress`): what a user can look at instead of waiting."""
+        with self._lock:
+            settled = sum(1 for memo in self._choices if isinstance(memo[0], TuneKey))
+            untimed = len(self._stand_ins)
+        return Progress(settled, untimed, self.compiling(), self.budget.spent_s)
+
     def _decide(self, namespace: str, key: TuneKey, problem: ConvProblem, mode: AlgoMode, effort: str,
                 a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, memo: tuple = ()
                 ) -> tuple[Candidate | _Provisional, bool]:
@@ -424,6 +431,20 @@ compile in the call: one pass of a cold process took 8.9 s (H200, 2026-11-28).""
 
 _REFERENCE = Candidate(FALLBACK)
 """What runs while a choice's kernels compile in the background (:meth:`ChoiceCompiles.defer`)."""
+
+
+class Progress(NamedTuple):
+    """Where a process's tuning stands (:meth:`Tuner.progress`)."""
+
+    settled: int
+    """Tuned products (key, mode, effort) whose choice is made for the process."""
+    untimed: int
+    """Products running a pick untimed (the best their records passed, or the cost model's), to be timed by a
+    later call: keys whose records lack candidates, or met while the timing budget was spent."""
+    compiling: int
+    """Products running the reference (or a map view torch's ops) while their kernels compile in the background."""
+    timed_s: float
+    """Seconds the process has spent timing candidates inside its calls."""
 
 
 class _Provisional(NamedTuple):

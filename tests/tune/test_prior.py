@@ -351,6 +351,7 @@ def test_where_kernels_compile_in_the_background_a_recorded_key_runs_its_best_at
         assert algorithm() == "fake_speeds[level=4]"
         assert queued == [("fake_speeds[level=4]",)] * 2 and sum(calls.counts.values()) == 1
         assert tuner.choices() == [] and tuner.budget.spent_s == 0
+        assert sparseconv.tune.progress() == (0, 1, 0, 0.0)  # one product running a pick untimed
         # A later call queues the candidate the records lack and runs the stand-in; once it compiled, a call
         # times it and settles the winner.
         assert algorithm() == "fake_speeds[level=4]"
@@ -358,6 +359,8 @@ def test_where_kernels_compile_in_the_background_a_recorded_key_runs_its_best_at
         assert algorithm() == "fake_speeds[level=4]"
         assert calls.of("fake_speeds[5]") and tuner.budget.spent_s > 0
         assert [c[2] for c in tuner.choices()] == ["fake_speeds[level=4]"]
+        done = sparseconv.tune.progress()
+        assert (done.settled, done.untimed, done.compiling) == (1, 0, 0) and done.timed_s == tuner.budget.spent_s
 
 
 def test_where_kernels_compile_in_the_background_a_key_without_records_compiles_its_sweep_first(monkeypatch):
