@@ -124,7 +124,7 @@ def fused_norm_relu(norm: nn.Module, relu: nn.Module | None, input: SparseTensor
     watches made a new tensor nothing else reads, which the pass then overwrites."""
     if type(norm) is not BatchNorm or not (relu is None or (type(relu) is ReLU and unwatched(relu))):
         return None
-    inplace = made_by is not None and type(made_by) is SparseConv3d and unwatched(made_by)
+    inplace = type(made_by) is SparseConv3d and unwatched(made_by)
     return norm.forward_fused(input, residual, relu=True, inplace=inplace)
 
 

@@ -48,14 +48,11 @@ def channel_affine(feats: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
                                      feats if residual is None else residual, out, numel, feats.shape[1],
                                      BLOCK=BLOCK, RESIDUAL=residual is not None, RELU=relu):
             return out
-    if inplace and not torch.compiler.is_compiling() and (residual is None or residual.dtype == feats.dtype):
-        out = torch.addcmul(shift, feats, scale, out=feats)
-        if residual is not None:
-            out.add_(residual)
-        return out.relu_() if relu else out
-    out = torch.addcmul(shift, feats, scale)
+    inplace = inplace and not torch.compiler.is_compiling() and (residual is None or residual.dtype == feats.dtype)
+    out = torch.addcmul(shift, feats, scale, out=feats if inplace else None)
     if residual is not None:
-        out = out + residual  # promoted as the modules' own sum would be (a wider residual widens the result)
+        # promoted as the modules' own sum would be (a wider residual widens the result), where not in place
+        out = out.add_(residual) if inplace else out + residual
     return out.relu_() if relu else out
 
 

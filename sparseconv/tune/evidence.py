@@ -63,6 +63,11 @@ class Evidence:
         """Those of ``candidates`` timed, but by another version of their backend."""
         return [c for c in candidates if c.id in self.timings]
 
+    def best(self, passing: Sequence[Candidate]) -> Candidate:
+        """The winner (:func:`pick`) among ``passing``, candidates that passed (non-empty)."""
+        winner = pick(self.timings, [c.id for c in passing])
+        return next(c for c in passing if c.id == winner)
+
     def passing(self, pool: Sequence[Candidate]) -> list[Candidate]:
         """The candidates of ``pool`` that passed, cheapest first (:func:`cost`)."""
         return sorted((c for c in pool if self.passed(c)), key=lambda c: cost(self.timings[c.id]))

@@ -155,15 +155,14 @@ class Tuner:
         deterministic = settings[1]
         choice = self._choices.get(memo)
         if choice is None or not _current(choice):
-            stand_in = self._stand_ins.get(memo)
-            loaded = stand_in is not None and stand_in[1]
+            loaded = self._loaded_stand_in(memo)
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
                 # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else the reference.
-                return (stand_in[0], registry.get(stand_in[0].backend), False) if loaded else (
-                    _REFERENCE, registry.get(FALLBACK), False)
-            if loaded and not self.budget.allows():
+                running = loaded or _REFERENCE
+                return running, registry.get(running.backend), False
+            if loaded is not None and not self.budget.allows():
                 # Loaded and waiting for the budget: no pool, no cache read (~0.4 ms a call, 76 calls of a step).
-                return stand_in[0], registry.get(stand_in[0].backend), False
+                return loaded, registry.get(loaded.backend), False
             with self._lock:
                 choice = self._choices.get(memo)
                 if choice is None or not _current(choice):
@@ -281,8 +280,7 @@ class Tuner:
             if fresh is None:
                 # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
                 # claim stays ours: other ranks run the pool's first until the choice is published.
-                held = self._stand_ins.get(memo)
-                return _Provisional(held[0] if held is not None and held[1] else _REFERENCE), True
+                return _Provisional(self._loaded_stand_in(memo) or _REFERENCE), True
         choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
         timed_s = time.perf_counter() - started
         choice = _adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
@@ -335,8 +333,7 @@ class Tuner:
             return None
         if held is None:
             if recorded:
-                best = pick(evidence.timings, [c.id for c in recorded])
-                choice = next(c for c in recorded if c.id == best)
+                choice = evidence.best(recorded)
             else:
                 costs = prior.predicted(self.cache, namespace, key, pool)
                 if not costs:
@@ -344,6 +341,11 @@ class Tuner:
                 choice = min((c for c in pool if c.id in costs), key=lambda c: costs[c.id])
             held = self._stand_ins[memo] = (choice, False)
         return held[0]
+
+    def _loaded_stand_in(self, memo: tuple) -> Candidate | None:
+        """The stand-in of ``memo`` (:meth:`_stand_in`) if its kernels are loaded (it has run), else None."""
+        held = self._stand_ins.get(memo)
+        return held[0] if held is not None and held[1] else None
 
     def _timed_elsewhere(self, namespace: str, encoded: str, pool: list[Candidate], a: torch.Tensor,
                          deterministic: bool) -> tuple[Candidate | _Provisional, bool] | None:
@@ -369,8 +371,7 @@ class Tuner:
         the background first (:meth:`ChoiceCompiles.defer`)."""
         encoded, fresh = key.encode(), []
         passed = lambda: evidence.any_passed(pool)  # noqa: E731
-        held = self._stand_ins.get(memo)
-        loaded = held is not None and held[1]
+        loaded = self._loaded_stand_in(memo) is not None
         for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
             if (len(batch) <= SWEEP_IN_BACKGROUND or loaded) and self._compiles.defer(
                     memo, namespace, problem, batch, a, kernel_map, key.deterministic):
@@ -393,8 +394,7 @@ class Tuner:
             if len(close) > 1 and any(c in fresh for c in close):
                 retime(namespace, problem, close, timings, a, b, kernel_map)
         if ok:
-            winner = pick(timings, [c.id for c in ok])
-            return next(c for c in ok if c.id == winner)
+            return evidence.best(ok)
         if effort == "none":
             return prior.ranked(self.cache, namespace, key, pool)[0]
         logger.warning("sparseconv: no candidate passed for %s %s; running %s", namespace, key.encode(), FALLBACK)
