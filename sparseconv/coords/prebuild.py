@@ -45,7 +45,7 @@ class MapSpec(NamedTuple):
 
     @property
     def output_stride(self) -> Triple:
-        return _times(self.source_stride, self.stride)
+        return times(self.source_stride, self.stride)
 
     @property
     def generated(self) -> bool:
@@ -76,7 +76,7 @@ def build(cache: CoordinateSets, plan: list[MapSpec],
     strides = [base]
     for spec in plan:
         for stride in (spec.base_stride,) if spec.generated else (spec.source_stride, spec.output_stride):
-            if stride not in strides and len(strides) <= MAX_LEVELS and _floorable(stride, base):
+            if stride not in strides and len(strides) <= MAX_LEVELS and floorable(stride, base):
                 strides.append(stride)
     plan = [spec for spec in plan if spec.base_stride in strides and (spec.generated or spec.output_stride in strides)]
     if not plan:
@@ -170,11 +170,11 @@ def _query(cache: CoordinateSets, specs: list[MapSpec], ids: dict[Triple, int], 
         queries.append(MapQuery(_start_in(out, coords[coarse_rows]), out.shape[0], offset_base, volume,
                                 _start_in(source.keys, tables[coarse_table].keys), source.keys.shape[0], out_base, at,
                                 coarse_rows, coarse_table))
-        geometry.append((spec.kernel_size, _times(spec.dilation, spec.source_stride)))
+        geometry.append((spec.kernel_size, times(spec.dilation, spec.source_stride)))
         offset_base += volume
         out_base += _aligned(out.shape[0] * volume)
         transposed_base += _aligned(rows_in * volume) if at >= 0 else 0
-    offsets = _offset_table(tuple(geometry), fine.device)
+    offsets = offset_table(tuple(geometry), fine.device)
     transposed = [None] * len(queries)
     if one_launch:
         flat = torch.empty((out_base,), dtype=torch.int32, device=fine.device)
@@ -285,19 +285,19 @@ def _start_in(part: torch.Tensor, whole: torch.Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _times(a: Triple, b: Triple) -> Triple:
+def times(a: Triple, b: Triple) -> Triple:
     """The product per axis (a plan reads ~60 of a few distinct ones a batch: each a generator otherwise)."""
     return tuple(x * y for x, y in zip(a, b))
 
 
-def _floorable(stride: Triple, base: Triple) -> bool:
+def floorable(stride: Triple, base: Triple) -> bool:
     """Whether the canonical set at ``stride`` is the floor of a set at ``base`` that the lazy build
     makes by one AND of packed keys (:func:`~sparseconv.coords.keys.floors_by_mask`)."""
     return stride != base and floors_by_mask(stride) and all(s % b == 0 for s, b in zip(stride, base))
 
 
 @functools.lru_cache(maxsize=64)
-def _offset_table(geometry: tuple[tuple[Triple, Triple], ...], device: torch.device) -> torch.Tensor:
+def offset_table(geometry: tuple[tuple[Triple, Triple], ...], device: torch.device) -> torch.Tensor:
     """(sum of volumes, 3) int32: each map's ``delta * step`` offsets, map after map (made once per plan)."""
     parts = [offset_deltas(kernel_size) * torch.tensor(step, dtype=torch.int32) for kernel_size, step in geometry]
     return torch.cat(parts).contiguous().to(device)

@@ -261,11 +261,15 @@ def define() -> SimpleNamespace:
         out_keys: wp.array(dtype=wp.int64),
         out_coords: wp.array2d(dtype=wp.int32),
         table_values: wp.array(dtype=wp.int32),
+        set_bases: wp.array(dtype=wp.int64),
+        set_capacities: wp.array(dtype=wp.int64),
     ):
         # ranks: the marks' inclusive prefix sums over all levels, level after level. The first row of
         # each cell (its rank one above the entry before's) writes the cell at its rank among every
         # level's cells, unpacked, and its rank within its level's set into its table slot (that slot's
-        # first-row value is read no more).
+        # first-row value is read no more). Where set_bases is given (a fixed layout: floor_sets_into),
+        # level l's set is written from row set_bases[l] instead, at most set_capacities[l] rows of it:
+        # a cell past them is not written and its slot holds -1 (found as absent, never a row past them).
         level, i = wp.tid()
         n = wp.int64(keys.shape[0])
         row = ranked_row(ranks, wp.int64(level) * n + wp.int64(i))
@@ -276,8 +280,15 @@ def define() -> SimpleNamespace:
             start = wp.int64(ranks[wp.int64(level) * n - wp.int64(1)])
         key = keys[i] & masks[level]
         base = wp.int64(level) * (mask + wp.int64(1))
+        slot = base + floor_slot(key, table_keys, base, mask)
+        local = row - start
+        if set_bases.shape[0] > 0:
+            if local >= set_capacities[level]:
+                table_values[slot] = wp.int32(-1)
+                return
+            row = set_bases[level] + local
         write_cell(key, row, out_keys, out_coords)
-        table_values[base + floor_slot(key, table_keys, base, mask)] = wp.int32(row - start)
+        table_values[slot] = wp.int32(local)
 
     @wp.func
     def generated(key: wp.int64, offsets: wp.array2d(dtype=wp.int32), k: wp.int64, sx: wp.int64, sy: wp.int64,

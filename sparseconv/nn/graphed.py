@@ -4,9 +4,12 @@ An eager pass spends most of its time on the host (Python per layer, the tuner's
 replayed CUDA graph issues the whole pass in one call. A graph replays fixed sizes, so the pass it captures runs
 on fixed-size buffers (:mod:`sparseconv.ops.capacity`): each coordinate set of the batch has a capacity (its
 count times ``margin``, rounded up to a bucket) and each kernel map a neighbour table of its output set's capacity.
-Per call the batch's maps are built eagerly as ever (the map plan, with its host syncs), copied into the tables of
-the smallest captured graph whose capacities the batch fits, the features copied in, the graph replayed and the
-output's valid rows copied out; a batch that fits no graph is captured into a new one.
+Per call the batch's maps are built into the tables of the smallest captured graph whose input capacity the
+batch fits, with no host synchronisation (:meth:`~sparseconv.ops.capacity.CapacityMaps.build`), the features
+copied in, the graph replayed and the output's valid rows copied out once the sets' counts arrive; a batch
+whose coarse sets outgrew that graph's capacities, or a network whose maps that build does not make, has its
+maps built eagerly (the map plan, with its host syncs) and copied into the tables of a graph it fits; a batch
+that fits no graph is captured into a new one.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from torch import nn
 
 from .. import tune
-from ..coords.kernel_map import KernelMap, KernelMapKey
+from ..coords.kernel_map import KernelMap, KernelMapKey, Triple
 from ..ops import batch
 from ..ops.capacity import CapacityCache, CapacityMaps, MapRecorder, capacity_of
 from ..tensor import SparseTensor
@@ -72,6 +75,8 @@ class GraphedModule:
         self.module, self.margin, self._capture, self.max_buckets = module, margin, capture, max_buckets
         self._requests: list[tuple[KernelMapKey, int]] | None = None
         self._input_id = 0
+        self._strides: dict[int, Triple] = {}
+        """The stride of each canonical set of the recorded batch, by id."""
         self._graphs: list[_Graph] = []
         self.captures = 0
 
@@ -90,6 +95,14 @@ class GraphedModule:
                 return self.module(input)
             if self._requests is None:
                 self._record(input)
+            graph = min((g for g in self._graphs if g.maps.fixed is not None and g.takes_features(input)
+                         and len(input) <= g.maps.capacities[self._input_id]), key=_Graph.size, default=None)
+            if graph is not None:
+                out = graph.run_fixed(input)
+                if out is not None:
+                    self._graphs.remove(graph)
+                    self._graphs.append(graph)
+                    return out
             maps, rows, sets = self._build_maps(input)
             graph = min((g for g in self._graphs if g.takes(input, rows)), key=_Graph.size, default=None)
             if graph is None:
@@ -111,6 +124,8 @@ class GraphedModule:
         cache = input.cache
         self._requests = [(key, cache.built_map(key)[1]) for key in cache.built_keys()]
         self._input_id = input.coord_id
+        self._strides = {set_id: cache.coord_set(set_id).stride for set_id in range(cache.set_count())
+                         if cache.coord_set(set_id).canonical}
 
     def _build_maps(self, input: SparseTensor) -> tuple[dict[KernelMapKey, KernelMap], dict[int, int], dict[int, int]]:
         """This batch's maps by the recorded keys, the rows of its sets and their ids, by recorded set id."""
@@ -144,7 +159,8 @@ class GraphedModule:
             torch.cuda.synchronize(input.device)
             torch.cuda.empty_cache()
         begin, reserved = time.perf_counter(), torch.cuda.memory_reserved(input.device) if cuda else 0
-        graph = _Graph(self.module, CapacityMaps(self._requests, capacities, input.device), input, self._input_id)
+        maps_of_graph = CapacityMaps(self._requests, capacities, input.device, self._strides, self._input_id)
+        graph = _Graph(self.module, maps_of_graph, input, self._input_id)
         graph.prepare(maps, capture)
         if cuda:
             torch.cuda.synchronize(input.device)
@@ -212,15 +228,42 @@ class _Graph:
         module's output structure, each SparseTensor's valid rows on the batch's own set."""
         self.feats[: len(input)].copy_(input.feats)
         self.maps.load(maps)
+        return self._outputs(self._replay(), input, rows, sets.__getitem__)
+
+    def run_fixed(self, input: SparseTensor) -> object | None:
+        """The pass on ``input`` (at most the input capacity's rows) with its maps built into the tables without a
+        host synchronisation (:meth:`CapacityMaps.build`): the host waits only for the sets' counts, after the
+        replay is queued. None where a coarse set outgrew its capacity (the replay's result is then void)."""
+        fixed = self.maps.fixed
+        ends = self.maps.build(input.cache, input.coord_id)
+        self.feats[: len(input)].copy_(input.feats)
+        out = self._replay()
+        rows = fixed.counts(ends, len(input))
+        input.cache.settle()  # bad coordinates raise here, as at an eager batch's first map
+        if not self.maps.fits(rows):
+            return None
+        sets = {self.input_id: input.coord_id}
+
+        def set_of(set_id: int) -> int:  # a coarse output's set, registered on the batch from the build's rows
+            if set_id not in sets:
+                sets[set_id] = input.cache.add(fixed.coords(set_id, rows[set_id]), fixed.strides[set_id], canonical=True)
+            return sets[set_id]
+
+        return self._outputs(out, input, rows, set_of)
+
+    def _replay(self) -> object:
         if self.graph is not None:
             with torch.cuda.device(self.feats.device):
                 self.graph.replay()
-            out = self.out
-        else:  # the views on the tables built again, as a replay builds them
-            self.maps.renew()
-            out = self._pass()
+            return self.out
+        self.maps.renew()  # the views on the tables built again, as a replay builds them
+        return self._pass()
+
+    @staticmethod
+    def _outputs(out: object, input: SparseTensor, rows: dict[int, int], set_of) -> object:
+        """The pass's output structure, each SparseTensor's valid rows (a copy) on the batch's own set."""
         return _mapped(out, lambda t: SparseTensor._derived(t.feats[: rows[t.coord_id]].clone(), input.cache,
-                                                            sets[t.coord_id]))
+                                                            set_of(t.coord_id)))
 
 
 def _mapped(value: object, fn) -> object:

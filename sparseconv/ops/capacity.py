@@ -10,12 +10,16 @@ synchronisation. Rows past a set's count hold whatever the pass computes there; 
 table's valid rows name valid rows only) and row-wise operations (norms, activations, 1x1 convs,
 concatenations, residual sums) keep rows apart, so they never change a result.
 
-The batch's real maps are built eagerly (the map plan, host syncs and all) and copied into the tables before
-each replay (:meth:`CapacityMaps.load`); what is captured is everything after that: the features' whole pass.
+Before each replay the batch's maps are queried straight into the tables with no host synchronisation where
+the network's maps are those of the input's power-of-two floors and their transposes (a MinkUNet's:
+:meth:`CapacityMaps.build`, :mod:`sparseconv.coords.fixed`), else built eagerly (the map plan, host syncs and
+all) and copied in (:meth:`CapacityMaps.load`); what is captured is everything after that: the features' whole
+pass.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -24,7 +28,11 @@ from .. import tune
 from ..backends import mask_triton
 from ..backends.problem import layer_problem
 from ..coords.batch import Batch
-from ..coords.kernel_map import KernelMap, KernelMapKey
+from ..coords.cache import CoordinateCache
+from ..coords.fixed import FixedMaps
+from ..coords.host_copy import HostCopy
+from ..coords.kernel_map import KernelMap, KernelMapKey, Triple
+from ..coords.prebuild import ALIGN
 from ..tune.timing import Timer, TimingPlan
 from . import batch
 
@@ -62,16 +70,25 @@ class CapacityMaps:
     """
 
     def __init__(self, requests: Sequence[tuple[KernelMapKey, int]], capacities: Mapping[int, int],
-                 device: torch.device) -> None:
+                 device: torch.device, strides: Mapping[int, Triple] | None = None, input_id: int = 0) -> None:
         self.capacities = dict(capacities)
         self.out_ids = {key: out_id for key, out_id in requests}
+        bases, size = {}, 0
+        for key, out_id in requests:  # (each table aligned as the map plan aligns its own)
+            bases[key] = size
+            size += -(-capacities[out_id] * math.prod(key.kernel_size) // ALIGN) * ALIGN
+        self.flat = torch.full((size,), -1, dtype=torch.int32, device=device)
+        """Every table, one after the other (one fill empties them all)."""
         self.tables: dict[KernelMapKey, torch.Tensor] = {}
         self.maps: dict[KernelMapKey, KernelMap] = {}
         for key, out_id in requests:
-            volume = key.kernel_size[0] * key.kernel_size[1] * key.kernel_size[2]
-            table = torch.full((capacities[out_id], volume), -1, dtype=torch.int32, device=device)
+            volume = math.prod(key.kernel_size)
+            table = self.flat[bases[key]: bases[key] + capacities[out_id] * volume].view(capacities[out_id], volume)
             self.tables[key] = table
             self.maps[key] = KernelMap(table, capacities[key.source], key.kernel_size)
+        self.fixed = None if strides is None else FixedMaps.plan(requests, strides, input_id, capacities, bases, device)
+        """What builds a batch's maps straight into the tables (:meth:`build`), None where it cannot (the
+        network's maps are not all the input's floors' and their transposes: :meth:`FixedMaps.plan`)."""
         self.products: dict[tuple, Product] = {}
         self.params: dict[tuple, Mapping | None] = {}
         """Per (key, layer): the parameters its product runs (None: torch's ops), chosen in the warm-up pass."""
@@ -93,6 +110,12 @@ class CapacityMaps:
     def fits(self, rows: Mapping[int, int]) -> bool:
         """Whether every set of a batch (``rows``: count per set id of the recorded batch) fits its capacity."""
         return all(rows[set_id] <= capacity for set_id, capacity in self.capacities.items())
+
+    def build(self, cache: CoordinateCache, input_set: int) -> HostCopy | None:
+        """Build a batch's maps (``cache``'s input set ``input_set``, at most its capacity's rows) into the tables
+        (:attr:`fixed`), launches alone: returns the coarse sets' counts on their way to the host
+        (:meth:`FixedMaps.counts` reads them; a set past its capacity leaves the tables unusable)."""
+        return self.fixed.build(cache, input_set, self.flat)
 
     def load(self, maps: Mapping[KernelMapKey, KernelMap]) -> None:
         """Copy a batch's maps (by the recorded keys) into the tables, -1 past each map's output count: the

@@ -46,11 +46,12 @@ def test_graphed_pass_equals_eager_on_new_clouds(dtype):
     model = _model(dtype)
     run = sparseconv.graphed(model, capture=False)
     sizes = [300, 280, 310] if dtype == torch.float64 else [120, 110]
-    for n in sizes:
+    for at, n in enumerate(sizes):
         x = _cloud(n, dtype)
         with torch.no_grad():
             eager = model(SparseTensor(x.coords, x.feats))
         _check_equal(run(x), eager, 1e-10 if dtype == torch.float64 else 1e-4)
+        assert (x.cache.built_keys() == []) == (at > 0)  # later clouds' maps built into the tables, no eager map
     assert run.captures == 1  # each later cloud's sets fit the first's capacities
     kinds = {type(product).__name__ for product in run._graphs[0].maps.products.values()}
     assert kinds == ({"function"} if dtype == torch.float64 else {"_RowsProduct"})  # torch's ops / Triton's kernel
@@ -108,30 +109,46 @@ def test_at_most_max_buckets_graphs_stay_the_least_recently_used_going_first():
         sparseconv.graphed(model, max_buckets=0)
 
 
-def test_padded_rows_never_reach_a_result(monkeypatch):
+@pytest.mark.parametrize("fixed", [True, False], ids=["built-into-the-tables", "built-eagerly"])
+def test_padded_rows_never_reach_a_result(monkeypatch, fixed):
     """Rows past each set's count are poisoned (NaN features, stale tables pointing at them): no valid row reads
-    them."""
+    them, whether the batch's maps were built into the tables or built eagerly and copied in."""
     model = _model(torch.float64)
     run = sparseconv.graphed(model, capture=False)
     run(_cloud(300, torch.float64))
     graph = run._graphs[0]
+    assert graph.maps.fixed is not None
     graph.feats.fill_(float("nan"))
-    loads = []
-    original = capacity.CapacityMaps.load
+    poisoned = []
+
+    def poison(maps: capacity.CapacityMaps, rows_of) -> None:  # past the count: rows that name padded input rows
+        for key, table in maps.tables.items():
+            table[rows_of(key):] = torch.arange(table.shape[1], dtype=table.dtype) % maps.maps[key].num_in
+        poisoned.append(True)
+
+    original_load, original_build = capacity.CapacityMaps.load, capacity.CapacityMaps.build
 
     def load(self, maps):
-        original(self, maps)
-        for key, table in self.tables.items():  # past the count: rows that name padded input rows
-            rows = maps[key].neighbors.shape[0]
-            table[rows:] = torch.arange(table.shape[1], dtype=table.dtype) % self.maps[key].num_in
-        loads.append(True)
+        original_load(self, maps)
+        poison(self, lambda key: maps[key].neighbors.shape[0])
+
+    def build(self, cache, input_set):
+        ends = original_build(self, cache, input_set)
+        rows = self.fixed.counts(ends, cache.coord_set(input_set).coords.shape[0])  # (on the CPU: ready)
+        poison(self, lambda key: rows[self.out_ids[key]])
+        return ends
 
     monkeypatch.setattr(capacity.CapacityMaps, "load", load)
+    if fixed:
+        monkeypatch.setattr(capacity.CapacityMaps, "build", build)
+    else:
+        graph.maps.fixed = None
     x = _cloud(250, torch.float64)
     with torch.no_grad():
         eager = model(SparseTensor(x.coords, x.feats))
     out = run(x)
-    assert loads and torch.isfinite(out.feats).all()
+    assert poisoned and torch.isfinite(out.feats).all()
+    assert (x.cache.built_keys() == []) == fixed  # (built into the tables: no eager map)
     _check_equal(out, eager, 1e-10)
 
 
@@ -233,11 +250,17 @@ def test_graph_replays_equal_eager_in_fp16_without_recapture():
     device = torch.device("cuda")
     model = MinkUNet(4, 13).to(device, torch.float16).eval()
     run = sparseconv.graphed(model)
-    for _ in range(8):
+    for at in range(8):
         coords = random_coords(20_000, 64, batch_size=2, device=device)
         x = SparseTensor(coords, torch.randn(len(coords), 4, dtype=torch.float16, device=device))
         with torch.no_grad():
             eager = model(SparseTensor(x.coords, x.feats))
         _check_equal(run(x), eager, 2e-2)
+        assert (x.cache.built_keys() == []) == (at > 0)  # maps built into the tables, no host sync before the replay
     assert run.captures == 1
     assert run._graphs[0].graph is not None and run.buckets[0].memory_bytes > 0
+    # Checks a GPU tensor defers (read at the coordinates' first use) are read by a graphed call too
+    repeated = torch.cat([coords, coords[:5]])
+    bad = SparseTensor(repeated, torch.randn(len(repeated), 4, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="duplicate"):
+        run(bad)
