@@ -229,7 +229,8 @@ _CACHES_LOCK = threading.Lock()
 def warm(kernel, device: torch.device, *args, **options) -> None:
     """Compile ``kernel`` for a launch with ``args`` and ``options`` without running it: pointer
     arguments are given as their torch dtype (Triton assumes them 16-byte aligned, as torch's
-    allocations are), integers as the launch's values, which Triton specialises on. Thread-safe."""
+    allocations are), integers as the launch's values, which Triton specialises on; where this thread loads
+    a background compile's kernels (:func:`.compiling.loading`), load it too. Thread-safe."""
     with torch.cuda.device(device):  # Triton compiles for the current device of the calling thread
         caches = getattr(kernel, "device_caches", None)
         if caches is not None:
@@ -239,6 +240,9 @@ def warm(kernel, device: torch.device, *args, **options) -> None:
                 # the others were compiled again at launch (H100, 2026-11-25).
                 caches[torch.cuda.current_device()]
         compiled = kernel.warmup(*args, grid=(1,), **options)
+        if compiling.loading():  # in this process, from the disk cache: its module loaded and launcher made
+            compiled._init_handles()
+            return
     _build_launcher(compiled)
 
 
