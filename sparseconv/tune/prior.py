@@ -137,8 +137,14 @@ class _Group:
         self.keys_by_dtype: dict[str, int] = defaultdict(int)
         for features in {s[1]: s[2] for s in samples}.values():
             self.keys_by_dtype[features.dtype] += 1
+        # One row per key, its samples (~80 candidates a key) pointing at it: a row a sample was a third of a fit
+        rows, at = [], {}
+        for s in samples:
+            if s[1] not in at:
+                at[s[1]] = len(rows)
+                rows.append(self._row(s[2]))
+        x = np.array(rows)[[at[s[1]] for s in samples]]
         samples = [s[:1] + s[2:] for s in samples]
-        x = np.array([self._row(s[1]) for s in samples])
         self.mean, self.scale = x.mean(0), x.std(0)
         self.scale[self.scale == 0] = 1.0
         z = (x - self.mean) / self.scale
