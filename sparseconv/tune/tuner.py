@@ -157,8 +157,9 @@ class Tuner:
         if choice is None or not _current(choice):
             loaded = self._loaded_stand_in(memo)
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
-                # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else the reference.
-                running = loaded or _REFERENCE
+                # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else what
+                # needs no compile.
+                running = loaded or meanwhile(problem)
                 return running, registry.get(running.backend), False
             if loaded is not None and not self.budget.allows():
                 # Loaded and waiting for the budget: no pool, no cache read (~0.4 ms a call, 76 calls of a step).
@@ -176,7 +177,8 @@ class Tuner:
                         candidate = candidate.candidate
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
-                            return _REFERENCE, registry.get(FALLBACK), False
+                            running = meanwhile(problem)
+                            return running, registry.get(running.backend), False
                         if self._stand_ins.get(memo, (None,))[0] == candidate:
                             # The stand-in's kernels are loaded: the fast path above (not the reference a
                             # sweep runs while its candidates compile, nor another rank's provisional pick).
@@ -184,7 +186,8 @@ class Tuner:
                         return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
-                        return _REFERENCE, registry.get(FALLBACK), False
+                        running = meanwhile(problem)
+                        return running, registry.get(running.backend), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
         return (*choice, True)
 
@@ -272,7 +275,7 @@ class Tuner:
             stand_in = self._stand_in(namespace, key, pool, effort, evidence, a, memo)
             if stand_in is not None:
                 return _Provisional(stand_in), False  # its kernels may compile in the background meanwhile
-            elsewhere = self._timed_elsewhere(namespace, encoded, pool, a, key.deterministic)
+            elsewhere = self._timed_elsewhere(namespace, encoded, problem, pool, a, key.deterministic)
             if elsewhere is not None:
                 return elsewhere
             refuse_tuning_in_trace(namespace, encoded, a)
@@ -280,7 +283,7 @@ class Tuner:
             if fresh is None:
                 # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
                 # claim stays ours: other ranks run the pool's first until the choice is published.
-                return _Provisional(self._loaded_stand_in(memo) or _REFERENCE), True
+                return _Provisional(self._loaded_stand_in(memo) or meanwhile(problem)), True
         choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
         timed_s = time.perf_counter() - started
         choice = _adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
@@ -347,8 +350,8 @@ class Tuner:
         held = self._stand_ins.get(memo)
         return held[0] if held is not None and held[1] else None
 
-    def _timed_elsewhere(self, namespace: str, encoded: str, pool: list[Candidate], a: torch.Tensor,
-                         deterministic: bool) -> tuple[Candidate | _Provisional, bool] | None:
+    def _timed_elsewhere(self, namespace: str, encoded: str, problem: ConvProblem, pool: list[Candidate],
+                         a: torch.Tensor, deterministic: bool) -> tuple[Candidate | _Provisional, bool] | None:
         """What runs if another rank times this key (:meth:`Ranks.claim`), else None (this process times it)."""
         other = self._ranks.claim(namespace, encoded)
         if other:
@@ -356,11 +359,11 @@ class Tuner:
             # background (the reference runs meanwhile), as a cached choice's.
             return _adopt(other, pool, pool[0]), False
         if other is not None:
-            # Another rank is timing this key; never wait on it. Until it publishes: the reference where
+            # Another rank is timing this key; never wait on it. Until it publishes: what needs no compile where
             # kernels compile in the background, else the pool's first. (The pool's first compiled in the
             # call on a GPU: a compile per key that a DDP step waited for, 74 s against 7.8 s for a first
             # MinkUNet step on one GPU, two H100s, 2026-11-25.)
-            return _Provisional(_REFERENCE if compiling.in_background(a, deterministic) else pool[0]), True
+            return _Provisional(meanwhile(problem) if compiling.in_background(a, deterministic) else pool[0]), True
         return None
 
     def _sweep(self, namespace: str, key: TuneKey, problem: ConvProblem, pool: list[Candidate],
@@ -430,7 +433,15 @@ the first minutes. With the cost model's picks the jobs are few and the wait sho
 compile in the call: one pass of a cold process took 8.9 s (H200, 2026-11-28)."""
 
 _REFERENCE = Candidate(FALLBACK)
-"""What runs while a choice's kernels compile in the background (:meth:`ChoiceCompiles.defer`)."""
+_GROUPED = Candidate.of("explicit_gemm_grouped", {"max_waste": 0.25})
+
+
+def meanwhile(problem: ConvProblem) -> Candidate:
+    """What a product runs while its choice's kernels compile in the background (:meth:`ChoiceCompiles.defer`),
+    compiled by nothing: on a GPU, with 8 kernel offsets or more, explicit_gemm_grouped (torch's batched
+    products, a few per layer where the reference makes two products and a gather and a scatter per offset:
+    ~3x as fast on an H200's MinkUNet keys, and on the cuBLAS shapes of few row buckets); else the reference."""
+    return _GROUPED if problem.device.type == "cuda" and problem.kernel_volume >= 8 else _REFERENCE
 
 
 class Progress(NamedTuple):
@@ -442,7 +453,8 @@ class Progress(NamedTuple):
     """Products running a pick untimed (the best their records passed, or the cost model's), to be timed by a
     later call: keys whose records lack candidates, or met while the timing budget was spent."""
     compiling: int
-    """Products running the reference (or a map view torch's ops) while their kernels compile in the background."""
+    """Products running what needs no compile (:func:`meanwhile`; a map view torch's ops) while their kernels compile
+    in the background."""
     timed_s: float
     """Seconds the process has spent timing candidates inside its calls."""
 

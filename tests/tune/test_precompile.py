@@ -357,3 +357,18 @@ def test_a_rank_beside_one_timing_a_key_runs_the_reference_then_compiles_the_pub
         assert conv() == "fake_compiled[level=2]"
     compiled = (tmp_path / "compiled.log").read_text().split()  # in a worker, then loaded here
     assert len(compiled) == 2 and compiled[0] != str(os.getpid()) and compiled[1] == str(os.getpid())
+
+
+def test_while_a_choice_compiles_a_gpu_product_runs_what_needs_no_compile():
+    """explicit_gemm_grouped where it saves launches (a GPU, 8 offsets or more), else the reference."""
+    from sparseconv.backends.problem import ConvProblem
+    from sparseconv.tune.tuner import meanwhile
+
+    def problem(kernel: int, device: str) -> ConvProblem:
+        return ConvProblem(1000, 1000, 32, 32, (kernel,) * 3, (1, 1, 1), (1, 1, 1), False, False, torch.float16,
+                           torch.device(device))
+
+    assert meanwhile(problem(3, "cuda")).id == "explicit_gemm_grouped[max_waste=0.25]"
+    assert meanwhile(problem(2, "cuda")).id == "explicit_gemm_grouped[max_waste=0.25]"
+    assert meanwhile(problem(1, "cuda")).id == "explicit_gemm"
+    assert meanwhile(problem(3, "cpu")).id == "explicit_gemm"
