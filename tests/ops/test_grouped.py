@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 from conv_cases import MODES, assert_conv_matches_reference, make_conv, make_input
 
 from sparseconv.backends import grouped
 from sparseconv.backends.row_buckets import row_step
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("workspace", ["one chunk", "many chunks"])
 @pytest.mark.parametrize("mode", [m for m in MODES if m.kernel_size != 1], ids=str)
-def test_every_mode_equals_the_dense_reference(mode, workspace, monkeypatch):
+def test_every_mode_equals_the_dense_reference(mode, workspace, device, monkeypatch):
     if workspace == "many chunks":
         monkeypatch.setattr(grouped, "WORKSPACE_BYTES", 1)  # each chunk one row step (64 rows here)
-    x = make_input(mode, 3, "cpu", n=1500, extent=14)
-    conv = make_conv(mode, 3, 4, "cpu")
+    x = make_input(mode, 3, device, n=1500, extent=14)
+    conv = make_conv(mode, 3, 4, device)
     conv.pins = type(conv.pins).checked(*(["explicit_gemm_grouped"] * 3))
     chunks = []
     original = grouped._chunks
