@@ -18,7 +18,8 @@ import torch
 
 from . import plan
 from .batch import Batch, Builders
-from .hashing import CoordHashTable, cell_neighbors, floor_sets, generate_set, tiles_its_cells
+from .floors import floor_sets
+from .hashing import CoordHashTable, cell_neighbors, generate_set, tiles_its_cells
 from .keys import COORD_MAX, COORD_MIN, floor_masks, floors_by_mask, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
 from .sets import CoordSet

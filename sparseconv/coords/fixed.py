@@ -5,7 +5,7 @@ The map plan (:mod:`.prebuild`) reads the coarse sets' sizes on the host before 
 a graphed call waited for the GPU twice (for the floors' counts, then for its replay) with the queries, the
 tables' copies and the replay launched in between: ~1.5 ms of a 5 ms street1 inference (H200). Here the
 layout is fixed ahead by a captured graph's capacities: each coarse set (a power-of-two floor of the input) is
-written from a fixed row, at most its capacity (:func:`.hashing.floor_sets_into`); each map's neighbour table
+written from a fixed row, at most its capacity (:func:`.floors.floor_sets_into`); each map's neighbour table
 is queried straight into the graph's table over its output set's capacity (rows past the set's count hold -1
 coordinates, found nowhere, so their entries are -1), a strided map's transposed table beside it; the sets'
 counts go to the host in one copy that nothing waits for until the replay is queued. A batch whose set
@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .hashing import MAX_LEVELS, MAX_MAPS, FixedFloors, MapQuery, floor_sets_into, query_many
+from .floors import FixedFloors, floor_sets_into
+from .hashing import MAX_LEVELS, MAX_MAPS, MapQuery, query_many
 from .host_copy import HostCopy
 from .kernel_map import KernelMapKey, Triple
 from .keys import floor_masks

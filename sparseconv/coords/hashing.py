@@ -20,7 +20,7 @@ from . import warp_launch
 from .keys import EMPTY_KEY, pack_coords, unpack_keys
 
 MAX_LEVELS = 8
-"""Coordinate sets one :func:`floor_sets` call makes (a MinkUNet's encoder makes four)."""
+"""Coordinate sets one :func:`~.floors.floor_sets` call makes (a MinkUNet's encoder makes four)."""
 MAX_MAPS = 16
 """Kernel maps one :func:`query_many` launch queries (its kernel finds a row's map by a scan over them)."""
 
@@ -113,146 +113,12 @@ class CoordHashTable:
         _in_row_ranges(launch, m, k, coords.device)
 
 
-def _floor_capacity(rows: int) -> int:
-    """Slots of each :func:`floor_sets` table for an input set of ``rows``: a power of two above 1.25 ``rows``
+def floor_capacity(rows: int) -> int:
+    """Slots of each :func:`~.floors.floor_sets` table for an input set of ``rows``: a power of two above 1.25 ``rows``
     (the cells are counted only after the inserts: a set of every row its own cell fills it to at most 0.8,
     a stride-2 floor of a scan ~0.3; tables of twice the rows made a MinkUNet step's peak memory 16-33 MiB
     higher, H200, room2 and street4)."""
     return max(16, 1 << (rows + rows // 4).bit_length())
-
-
-class FloorSets(NamedTuple):
-    """The coordinate sets of :func:`floor_sets`, set after set in one array each."""
-
-    keys: torch.Tensor
-    """(M,) int64 packed keys."""
-    coords: torch.Tensor
-    """(M, 4) int32, the keys unpacked."""
-    counts: list[int]
-    """Each set's rows (on the host)."""
-    table: CoordHashTable
-    """Every set's table: set ``l``'s is the ``capacity`` slots from ``l * capacity`` of its arrays."""
-    capacity: int
-
-
-def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:
-    """The floors of a coordinate set at several strides, with their hash tables: three Warp launches, a
-    prefix sum and one host read (every set's size), where torch's ``unique`` sorted the keys (~10 launches
-    and a sync on a GPU). keys: (N,) int64 packed keys of unique rows; masks: (L,) int64 on their device,
-    :func:`floor_mask` of each stride (at most :data:`MAX_LEVELS`).
-
-    Set ``l`` holds each cell of ``keys & masks[l]`` once, in the order of the cell's first row in
-    ``keys`` (the smallest row index, so the order is repeatable: the threads' atomics pick a maximum,
-    not a winner). Each table has :func:`_floor_capacity` slots of the input's row count: the cells are
-    counted only after the inserts."""
-    n, levels = keys.shape[0], masks.shape[0]
-    if not 0 < levels <= MAX_LEVELS:
-        raise ValueError(f"floor_sets takes 1 to {MAX_LEVELS} masks, got {levels}")
-    capacity = _floor_capacity(n)
-    table = _floor_table(levels, capacity, keys.device)
-    if n == 0:
-        empty = torch.empty((0,), dtype=torch.int64, device=keys.device)
-        return FloorSets(empty, unpack_keys(empty), [0] * levels, table, capacity)
-    device = keys.device
-    marks = _floor_ranks(keys, masks, table, capacity, torch.empty((levels * n,), dtype=torch.int32, device=device))
-    ends = marks[n - 1:: n].tolist()  # the one host read: where each set ends
-    counts = [end - start for start, end in zip([0, *ends], ends)]
-    total = ends[-1]
-    # Two allocations where one buffer cut into the keys and the coords took four views
-    unique = torch.empty((total,), dtype=torch.int64, device=device)
-    coords = torch.empty((total, 4), dtype=torch.int32, device=device)
-    none = torch.empty((0,), dtype=torch.int64, device=device)  # (packed by rank, not into a fixed layout)
-    warp_launch.launch(warp_launch.kernels().floor_compact, (levels, n),
-                       [keys, masks, table.keys, capacity - 1, marks, unique, coords, table.values, none, none], device)
-    return FloorSets(unique, coords, counts, table, capacity)
-
-
-def _floor_table(levels: int, capacity: int, device: torch.device, into: torch.Tensor | None = None) -> CoordHashTable:
-    """Every level's table of :func:`floor_sets` (``capacity`` slots each) in one allocation and one fill
-    (``into``'s, where given): each level's keys (-1 = empty) and, as int32 behind them, its slots' values,
-    which hold each cell's first row until the compaction writes its rank there."""
-    size = levels * capacity * 3 // 2
-    buffer = torch.full((size,), EMPTY_KEY, dtype=torch.int64, device=device) if into is None else into.fill_(EMPTY_KEY)
-    return _table_in(buffer, levels, capacity)
-
-
-def _table_in(buffer: torch.Tensor, levels: int, capacity: int) -> CoordHashTable:
-    table_keys, values = buffer.split_with_sizes((levels * capacity, buffer.shape[0] - levels * capacity))
-    return CoordHashTable(table_keys, values.view(torch.int32))
-
-
-def _floor_ranks(keys: torch.Tensor, masks: torch.Tensor, table: CoordHashTable, capacity: int, marks: torch.Tensor
-                 ) -> torch.Tensor:
-    """The inserts of every level's cells into ``table`` and each (level, row)'s inclusive rank among every level's
-    cells where it is its cell's first row: ``marks`` ((levels * N,) int32, level after level, as the kernels index)."""
-    kernels, device, n = warp_launch.kernels(), keys.device, keys.shape[0]
-    warp_launch.launch(kernels.floor_insert, (masks.shape[0], n), [keys, masks, table.keys, table.values, capacity - 1],
-                       device)
-    warp_launch.launch(kernels.floor_firsts, (masks.shape[0], n),
-                       [keys, masks, table.keys, table.values, capacity - 1, marks], device)
-    # In place, over all levels at once: each cell's rank among every level's cells, which is its row in the
-    # sets laid out set after set (street4's 4 levels: 6 MB). One scan of the whole array is CUB's; torch
-    # scanned a (levels, n) view row by row in 487 µs of GPU time at street4 (H200), this takes a few.
-    return marks.cumsum_(0)
-
-
-class FixedFloors(NamedTuple):
-    """Buffers of :func:`floor_sets_into`, made once for inputs of at most ``rows`` rows and sets of at most
-    ``capacities`` rows (:meth:`allocate`): the sets' keys and coordinates at fixed offsets, set after set."""
-
-    keys: torch.Tensor
-    """(sum of capacities,) int64 packed keys."""
-    coords: torch.Tensor
-    """(sum of capacities, 4) int32; rows past a set's count hold -1 (a batch index no key has)."""
-    bases: list[int]
-    """Where each set starts in :attr:`keys` and :attr:`coords`."""
-    capacities: list[int]
-    table_buffer: torch.Tensor
-    """Every level's table (:func:`_floor_table`), ``capacity`` slots each."""
-    capacity: int
-    marks: torch.Tensor
-    layout: torch.Tensor
-    """(2, levels) int64 on the device: the bases, then the capacities (the compaction reads them)."""
-
-    @classmethod
-    def allocate(cls, rows: int, capacities: list[int], device: torch.device) -> FixedFloors:
-        levels, total = len(capacities), sum(capacities)
-        if not 0 < levels <= MAX_LEVELS:
-            raise ValueError(f"floor_sets_into takes 1 to {MAX_LEVELS} sets, got {levels}")
-        bases = list(itertools.accumulate(capacities, initial=0))[:-1]
-        capacity = _floor_capacity(rows)
-        layout = torch.tensor([bases, capacities], dtype=torch.int64).to(device)
-        return cls(torch.empty((total,), dtype=torch.int64, device=device),
-                   torch.empty((total, 4), dtype=torch.int32, device=device), bases, list(capacities),
-                   torch.empty((levels * capacity * 3 // 2,), dtype=torch.int64, device=device), capacity,
-                   torch.empty((levels * max(rows, 1),), dtype=torch.int32, device=device), layout)
-
-    def table(self) -> CoordHashTable:
-        """The levels' tables (valid after :func:`floor_sets_into`): level ``l``'s is the :attr:`capacity` slots
-        from ``l * capacity``; a value is the row in its set."""
-        return _table_in(self.table_buffer, len(self.bases), self.capacity)
-
-
-def floor_sets_into(keys: torch.Tensor, masks: torch.Tensor, floors: FixedFloors) -> torch.Tensor:
-    """:func:`floor_sets` into fixed buffers with no host read (what a captured pass's batch is built with): set
-    ``l`` (its cells in the same order) at rows ``floors.bases[l]`` on of ``floors.coords`` and ``floors.keys``,
-    at most ``floors.capacities[l]`` of its rows (a cell past them is not written and its table finds it
-    absent), rows past its count -1. keys: (N,) int64 packed keys of unique rows, N at most the rows the
-    buffers were made for; masks: (L,) int64 as :func:`floor_sets`'. Returns (L,) int64 on the device: where
-    each set ends among every set's cells (its count: the difference to the one before; none is read here)."""
-    n, levels = keys.shape[0], masks.shape[0]
-    if levels != len(floors.bases) or n > floors.marks.shape[0] // levels:
-        raise ValueError(f"floor_sets_into: buffers for {len(floors.bases)} sets of inputs of at most "
-                         f"{floors.marks.shape[0] // len(floors.bases)} rows, got {levels} masks and {n} keys")
-    table = _floor_table(levels, floors.capacity, keys.device, into=floors.table_buffer)
-    floors.coords.fill_(-1)
-    if n == 0:
-        return torch.zeros((levels,), dtype=torch.int64, device=keys.device)
-    marks = _floor_ranks(keys, masks, table, floors.capacity, floors.marks[: levels * n])
-    warp_launch.launch(warp_launch.kernels().floor_compact, (levels, n),
-                       [keys, masks, table.keys, floors.capacity - 1, marks, floors.keys, floors.coords, table.values,
-                        floors.layout[0], floors.layout[1]], keys.device)
-    return marks[n - 1:: n].to(torch.int64)
 
 
 class GeneratedSet(NamedTuple):
@@ -276,7 +142,7 @@ def generate_set(keys: torch.Tensor, offsets: torch.Tensor, stride: tuple[int, i
     unique rows; offsets: (K, 3) int32 on their device; per_row: at most how many of a row's K candidates
     lie on the grid (the table's size)."""
     n, volume = keys.shape[0], offsets.shape[0]
-    capacity = _floor_capacity(n * per_row)
+    capacity = floor_capacity(n * per_row)
     # As floor_sets: one allocation, one fill (the table's -1 keys, its int32 values behind them holding
     # each voxel's first candidate until the compaction writes its rank there).
     buffer = torch.full((capacity * 3 // 2,), EMPTY_KEY, dtype=torch.int64, device=keys.device)

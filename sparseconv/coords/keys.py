@@ -67,7 +67,7 @@ def floor_mask(stride: tuple[int, int, int]) -> int:
 
 @functools.lru_cache(maxsize=64)
 def floor_masks(strides: tuple[tuple[int, int, int], ...], device: torch.device) -> torch.Tensor:
-    """(L,) int64 :func:`floor_mask` of each stride, on ``device`` (made once: :func:`floor_sets` reads them)."""
+    """(L,) int64 :func:`floor_mask` of each stride, on ``device`` (made once: :func:`~.floors.floor_sets` reads them)."""
     return torch.tensor([floor_mask(stride) for stride in strides], dtype=torch.int64).to(device)
 
 

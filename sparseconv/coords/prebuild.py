@@ -1,6 +1,6 @@
 """A new batch's planned kernel maps, built at once at its first map request (:mod:`.plan` says which).
 
-Every canonical power-of-two coordinate set and its table by :func:`~.hashing.floor_sets` (hash inserts of the
+Every canonical power-of-two coordinate set and its table by :func:`~.floors.floor_sets` (hash inserts of the
 input's floored keys, one sync for all their sizes), every neighbour table in one launch on a GPU (up to
 16 maps, of any kernel volumes, reading the input set's or the coarse sets' arrays), the sets generative
 convs make from those and the maps on them (one host read each for a set's size, as a layer's build), and
@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from .batch import Builders
-from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, floor_sets, query_many
+from .floors import floor_sets
+from .hashing import MAX_LEVELS, MAX_MAPS, CoordHashTable, MapQuery, query_many
 from .keys import floor_masks, floors_by_mask
 from .host_copy import HostCopy
 from .kernel_map import KernelMap, KernelMapKey, Triple, count_pairs, offset_deltas

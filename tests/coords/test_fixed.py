@@ -9,7 +9,7 @@ from conftest import DEVICES
 from sparse_reference import random_coords
 
 from sparseconv import SparseTensor
-from sparseconv.coords.hashing import FixedFloors, floor_sets, floor_sets_into
+from sparseconv.coords.floors import FixedFloors, floor_sets, floor_sets_into
 from sparseconv.coords.keys import floor_masks, pack_coords
 from sparseconv.ops import batch
 from sparseconv.ops.capacity import CapacityMaps

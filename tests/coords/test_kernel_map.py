@@ -12,7 +12,8 @@ from sparse_reference import brute_force_map, offsets
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey, center_offset, offset_deltas
 from sparseconv.coords import hashing
-from sparseconv.coords.hashing import CoordHashTable, floor_sets
+from sparseconv.coords.floors import floor_sets
+from sparseconv.coords.hashing import CoordHashTable
 from sparseconv.coords.keys import COORD_MAX, COORD_MIN, floor_masks, pack_coords
 
 

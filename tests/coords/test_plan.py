@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from sparse_reference import random_coords, relative_error
 
 from sparseconv import SparseTensor
-from sparseconv.coords import KernelMapKey, hashing, host_copy, offset_deltas, plan, prebuild, warp_launch
+from sparseconv.coords import KernelMapKey, floors, hashing, host_copy, offset_deltas, plan, prebuild, warp_launch
 from sparseconv.coords.hashing import CoordHashTable, MapQuery
 from sparseconv.coords.keys import floor_masks, pack_coords
 
@@ -182,7 +182,7 @@ def test_query_many_equals_one_query_per_map(device, monkeypatch):
     # The input set's coordinates and table in arrays of their own, the coarse sets' together (as a
     # planned batch holds them): a query's flags pick the arrays.
     fine_table = CoordHashTable.build(fine)
-    coarse = hashing.floor_sets(pack_coords(fine), floor_masks(((2, 2, 2), (4, 4, 4)), fine.device))
+    coarse = floors.floor_sets(pack_coords(fine), floor_masks(((2, 2, 2), (4, 4, 4)), fine.device))
     sets = [fine, *coarse.coords.split(coarse.counts)]
     capacities = [coarse.capacity] * 2
     bases = [0, coarse.capacity]
