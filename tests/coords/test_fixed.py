@@ -3,9 +3,13 @@ plan's, entry for entry; a set past its capacity is cut off there, never written
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import DEVICES
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sparse_reference import random_coords
 
 from sparseconv import SparseTensor
@@ -128,3 +132,35 @@ def test_networks_whose_maps_the_fixed_build_does_not_make_are_left_to_the_plan(
     strides = {i: x.cache.coord_set(i).stride for i in range(x.cache.set_count()) if x.cache.coord_set(i).canonical}
     maps = CapacityMaps([(generative, out_id)], {x.coord_id: 300, out_id: 300}, x.cache.device, strides, x.coord_id)
     assert maps.fixed is None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 300), st.integers(2, 12), st.lists(st.sampled_from([(2, 2, 2), (4, 4, 4), (2, 4, 1), (8, 8, 8)]),
+                                                          min_size=1, max_size=3, unique=True),
+       st.lists(st.floats(0.3, 1.5), min_size=3, max_size=3), st.integers(0, 2**31 - 1))
+def test_floors_into_fixed_rows_on_random_sets_and_capacities(n, extent, strides, shares, seed):
+    """Any set, any strides, capacities above and below the counts: each set's first rows are floor_sets', the
+    rest -1, its table finds exactly those written, and nothing past a set's capacity is touched."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, extent, (n, 4), dtype=torch.int32, generator=generator)
+    rows[:, 0] %= 2
+    rows = rows.unique(dim=0)
+    rows = rows[torch.randperm(len(rows), generator=generator)]
+    keys = pack_coords(rows)
+    masks = floor_masks(tuple(strides), keys.device)
+    sets = floor_sets(keys, masks)
+    capacities = [max(1, int(count * share)) for count, share in zip(sets.counts, shares)]
+    floors = FixedFloors.allocate(len(rows) + 3, capacities, keys.device)
+    floors.coords.fill_(7)
+    ends = floor_sets_into(keys, masks, floors).tolist()
+    assert ends == list(itertools.accumulate(sets.counts))
+    table, start = floors.table(), 0
+    for level, (count, capacity) in enumerate(zip(sets.counts, capacities)):
+        base, kept = floors.bases[level], min(count, capacity)
+        assert torch.equal(floors.coords[base: base + kept], sets.coords[start: start + kept])
+        assert (floors.coords[base + kept: base + capacity] == -1).all()
+        slots = slice(level * floors.capacity, (level + 1) * floors.capacity)
+        found = type(table)(table.keys[slots], table.values[slots]).neighbors(
+            sets.coords[start: start + count], torch.zeros((1, 3), dtype=torch.int32))[:, 0]
+        assert torch.equal(found[:kept], torch.arange(kept, dtype=torch.int32)) and (found[kept:] == -1).all()
+        start += count
