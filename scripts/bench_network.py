@@ -270,6 +270,9 @@ def print_rounds(alternated: dict, args) -> None:
                          if anchor.get(kind) and ours.get(kind) else "-" for kind in ROUND_KINDS]
             memory = (f"; step peak memory {fmt(ours['peak GB'])} vs {fmt(anchor['peak GB'])} GB"
                       if unseen and name == "ours" else "")
+            gpu = ours.get("infer gpu")
+            if unseen and name == "ours_graphed" and isinstance(gpu, float) and gpu > 0 and ours.get("infer"):
+                memory = f"; its inference {statistics.median(ours['infer']) / gpu:.2f}x its own GPU time"
             ratios.append(f"{scene} {dtype_name} {args.model}: {name} over spconv ({args.rounds} rounds, median of "
                           f"per-round ratios): inference {per_round[0]}, training step {per_round[1]}" + memory)
     print("\n".join(ratios))
