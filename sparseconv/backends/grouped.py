@@ -53,7 +53,8 @@ def plan_groups(kernel_map: KernelMap, max_waste: float) -> list[OffsetGroup]:
     device = kernel_map.neighbors.device
     groups = []
     for group in members:
-        length = -(-counts[group[0]] // row_step(counts[group[0]])) * row_step(counts[group[0]])
+        step = row_step(counts[group[0]])
+        length = -(-counts[group[0]] // step) * step
         in_idx = torch.full((len(group), length), kernel_map.num_in, dtype=torch.int64, device=device)
         out_idx = torch.full((len(group), length), kernel_map.num_out, dtype=torch.int64, device=device)
         for row, k in enumerate(group):

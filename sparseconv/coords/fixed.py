@@ -33,13 +33,13 @@ class FixedMaps:
     """What builds one capture's maps into its tables (:meth:`build`), planned from its recorded requests
     (:meth:`plan`)."""
 
-    def __init__(self, input_id: int, levels: list[int], strides: Mapping[int, Triple],
-                 regular: list[tuple[KernelMapKey, int, int, int]], floors: FixedFloors | None,
-                 masks: torch.Tensor | None, offsets: torch.Tensor) -> None:
+    def __init__(self, input_id: int, levels: list[int], strides: Mapping[int, Triple], queries: list[MapQuery],
+                 floors: FixedFloors | None, masks: torch.Tensor | None, offsets: torch.Tensor) -> None:
         self.input_id, self.levels, self.strides = input_id, levels, strides
-        self.regular = regular
-        """Per map queried: its key, its output set, where its table starts in the flat tables, where its
-        transposed table does (-1: none asked for)."""
+        self.queries = queries
+        """Per map, its query of :func:`query_many` into the flat tables (the coarse sets' rows and tables at their
+        fixed places); those on the input set's rows or table take the batch's row count and table size per
+        batch (:meth:`build`)."""
         self.floors, self.masks, self.offsets = floors, masks, offsets
 
     @classmethod
@@ -80,8 +80,16 @@ class FixedMaps:
         if levels:
             floors = FixedFloors.allocate(capacities[input_id], [capacities[s] for s in levels], device)
             masks = floor_masks(tuple(strides[s] for s in levels), device)
+        queries, offset_base = [], 0
+        for key, out_id, out_base, transposed_base in regular:  # (the input's rows and table: 0 until a batch's)
+            volume = math.prod(key.kernel_size)
+            rows = (0, 0) if out_id == input_id else (floors.bases[levels.index(out_id)], capacities[out_id])
+            table = (0, 0) if key.source == input_id else (levels.index(key.source) * floors.capacity, floors.capacity)
+            queries.append(MapQuery(*rows, offset_base, volume, *table, out_base, transposed_base,
+                                    out_id != input_id, key.source != input_id))
+            offset_base += volume
         geometry = tuple((key.kernel_size, times(key.dilation, strides[key.source])) for key, *_ in regular)
-        return cls(input_id, levels, strides, regular, floors, masks, offset_table(geometry, device))
+        return cls(input_id, levels, strides, queries, floors, masks, offset_table(geometry, device))
 
     def build(self, cache: CoordinateSets, input_set: int, tables: torch.Tensor) -> HostCopy | None:
         """Query the batch's maps (``cache``'s input set ``input_set``, its rows at most the input's capacity)
@@ -95,21 +103,8 @@ class FixedMaps:
             ends = floor_sets_into(cache.keys(input_set), self.masks, self.floors)
             coarse, coarse_table = self.floors.coords, self.floors.table()
         tables.fill_(-1)
-        queries, offset_base = [], 0
-        for key, out_id, out_base, transposed_base in self.regular:
-            volume = math.prod(key.kernel_size)
-            if out_id == self.input_id:
-                rows = (0, fine.shape[0], False)
-            else:
-                level = self.levels.index(out_id)
-                rows = (self.floors.bases[level], self.floors.capacities[level], True)
-            if key.source == self.input_id:
-                table = (0, fine_table.keys.shape[0], False)
-            else:
-                table = (self.levels.index(key.source) * self.floors.capacity, self.floors.capacity, True)
-            queries.append(MapQuery(rows[0], rows[1], offset_base, volume, table[0], table[1], out_base,
-                                    transposed_base, rows[2], table[2]))
-            offset_base += volume
+        queries = [q if q.coarse_rows else q._replace(rows=fine.shape[0]) for q in self.queries]
+        queries = [q if q.coarse_table else q._replace(capacity=fine_table.keys.shape[0]) for q in queries]
         query_many((fine, coarse), self.offsets, (fine_table, coarse_table), tables, queries, tables)
         return None if ends is None else HostCopy(ends)
 
