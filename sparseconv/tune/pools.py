@@ -25,7 +25,7 @@ FALLBACK = "explicit_gemm"
 
 # The mode names are re-exported: tuner.py (and tests) take them from here with the pools.
 __all__ = ["DEFAULT_MODE", "FALLBACK", "LEVELS", "PIN_ARGUMENT", "AlgoMode", "candidate_pool", "checked_mode",
-           "parse_mode", "resolve_mode"]
+           "meanwhile", "parse_mode", "resolve_mode"]
 
 
 _READ: str = "<read the environment>"  # resolve_mode's default: not a valid mode, so never a caller's value
@@ -106,3 +106,15 @@ def _deterministic_params(
         warnings.warn(message + "; running it anyway, as torch's warn_only=True asks", stacklevel=2)
         return params_list
     raise ValueError(message)
+
+
+_REFERENCE = Candidate(FALLBACK)
+_GROUPED = Candidate.of("explicit_gemm_grouped", {"max_waste": 0.25})
+
+
+def meanwhile(problem: ConvProblem) -> Candidate:
+    """What a product runs while its choice's kernels compile in the background
+    (:meth:`~.precompile.ChoiceCompiles.defer`), compiled by nothing: on a GPU, with 8 kernel offsets or more, explicit_gemm_grouped (torch's batched
+    products, a few per layer where the reference makes two products and a gather and a scatter per offset:
+    ~3x as fast on an H200's MinkUNet keys, and on the cuBLAS shapes of few row buckets); else the reference."""
+    return _GROUPED if problem.device.type == "cuda" and problem.kernel_volume >= 8 else _REFERENCE

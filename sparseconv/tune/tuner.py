@@ -29,7 +29,7 @@ from .configs import Candidate
 from .distributed import Ranks
 from .evidence import Evidence, cost, pick
 from .key import TuneKey, make_key
-from .pools import FALLBACK, AlgoMode, candidate_pool, resolve_mode
+from .pools import FALLBACK, AlgoMode, candidate_pool, meanwhile, resolve_mode
 from .precompile import ChoiceCompiles
 from .sweep import compile_and_sweep, log_sweep, refuse_tuning_in_trace, retime
 from .timing import CLOSE
@@ -431,18 +431,6 @@ against 90) for over 40 s, while compiling in the call took 49 s and then ran tu
 the first minutes. With the cost model's picks the jobs are few and the wait short. Its picks alone
 (three) left the model's picks plus the four small-channel tiles the shipped tunings predate (seven) to
 compile in the call: one pass of a cold process took 8.9 s (H200, 2026-11-28)."""
-
-_REFERENCE = Candidate(FALLBACK)
-_GROUPED = Candidate.of("explicit_gemm_grouped", {"max_waste": 0.25})
-
-
-def meanwhile(problem: ConvProblem) -> Candidate:
-    """What a product runs while its choice's kernels compile in the background (:meth:`ChoiceCompiles.defer`),
-    compiled by nothing: on a GPU, with 8 kernel offsets or more, explicit_gemm_grouped (torch's batched
-    products, a few per layer where the reference makes two products and a gather and a scatter per offset:
-    ~3x as fast on an H200's MinkUNet keys, and on the cuBLAS shapes of few row buckets); else the reference."""
-    return _GROUPED if problem.device.type == "cuda" and problem.kernel_volume >= 8 else _REFERENCE
-
 
 class Progress(NamedTuple):
     """Where a process's tuning stands (:meth:`Tuner.progress`)."""

@@ -362,7 +362,7 @@ def test_a_rank_beside_one_timing_a_key_runs_the_reference_then_compiles_the_pub
 def test_while_a_choice_compiles_a_gpu_product_runs_what_needs_no_compile():
     """explicit_gemm_grouped where it saves launches (a GPU, 8 offsets or more), else the reference."""
     from sparseconv.backends.problem import ConvProblem
-    from sparseconv.tune.tuner import meanwhile
+    from sparseconv.tune.pools import meanwhile
 
     def problem(kernel: int, device: str) -> ConvProblem:
         return ConvProblem(1000, 1000, 32, 32, (kernel,) * 3, (1, 1, 1), (1, 1, 1), False, False, torch.float16,
