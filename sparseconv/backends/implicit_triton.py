@@ -239,6 +239,7 @@ IMPLICIT_GEMM = register(
         # of one pair per row store instead, but that is the map's, not the parameters', to say.)
         deterministic=never_deterministic,
         precompile=precompile_gemm,
+        warms_kernels=True,
     )
 )
 
@@ -255,5 +256,6 @@ SPLITK_WGRAD = register(
         # Split-K chunks meet through fp32 atomics; one chunk (split 1) stores its sum.
         deterministic=lambda namespace, params: int(params["split"]) == 1,
         precompile=precompile_wgrad,
+        warms_kernels=True,
     )
 )

@@ -328,5 +328,6 @@ MASK_IMPLICIT_GEMM = register(
         # Each row's sum is one program's, in list order; offset groups add in launch order.
         deterministic=always_deterministic,
         precompile=precompile,
+        warms_kernels=True,
     )
 )

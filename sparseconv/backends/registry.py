@@ -82,6 +82,10 @@ class Backend:
     """``compiles(namespace, problem, params)``: what ``precompile`` compiles for these arguments;
     background compiles of equal values are one job. None: the candidate and the problem but for
     its row counts (no kernel specialises on them)."""
+    warms_kernels: bool = False
+    """``precompile`` compiles Triton kernels of :func:`.triton_kernels.kernels` through :func:`.triton_launch.warm`
+    and nothing else, and may run in this process without compiling (:func:`.triton_launch.recorded`): its
+    background compiles are one job per kernel, shared with every other product and view needing that kernel."""
 
     def candidates_params(self, problem: ConvProblem, level: str) -> list[Mapping]:
         """Parameter sets of this backend in the ``level`` pool for ``problem``."""

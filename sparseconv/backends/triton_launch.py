@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -230,7 +230,12 @@ def warm(kernel, device: torch.device, *args, **options) -> None:
     """Compile ``kernel`` for a launch with ``args`` and ``options`` without running it: pointer
     arguments are given as their torch dtype (Triton assumes them 16-byte aligned, as torch's
     allocations are), integers as the launch's values, which Triton specialises on; where this thread loads
-    a background compile's kernels (:func:`.compiling.loading`), load it too. Thread-safe."""
+    a background compile's kernels (:func:`.compiling.loading`), load it too; where it records (:func:`recorded`),
+    only note it. Thread-safe."""
+    launches = getattr(_RECORDING, "launches", None)
+    if launches is not None:
+        launches.append((kernel, device, args, options))
+        return
     with torch.cuda.device(device):  # Triton compiles for the current device of the calling thread
         caches = getattr(kernel, "device_caches", None)
         if caches is not None:
@@ -244,6 +249,41 @@ def warm(kernel, device: torch.device, *args, **options) -> None:
             compiled._init_handles()
             return
     _build_launcher(compiled)
+
+
+_RECORDING = threading.local()
+
+
+def recorded(hook: Callable, args: tuple) -> list[tuple[tuple, Hashable]] | None:
+    """The kernels ``hook(*args)`` (a backend's ``precompile``) would compile, found without compiling any: for
+    each, :func:`warm_kernel`'s arguments and the key of what it compiles (the one :func:`launch_ready` gives the
+    same kernel, specialised alike), so that layers, products and map views needing one kernel share one background
+    job, whatever else their hooks compile. None where the hook warms no kernel, fails, or warms one a worker cannot
+    look up by name."""
+    _RECORDING.launches = launches = []
+    try:
+        hook(*args)
+    except Exception:  # noqa: BLE001 - the hook runs whole in a worker, where its failure is reported
+        return None
+    finally:
+        _RECORDING.launches = None
+    if not launches:
+        return None  # compiles nothing, or not through warm
+    found = []
+    for kernel, device, warm_args, options in launches:
+        name = getattr(kernel, "__name__", None)
+        if name is None or getattr(_kernels(), name, None) is not kernel:
+            return None
+        index = device.index if device.index is not None else 0
+        specs = tuple((arg, True) if isinstance(arg, torch.dtype) else _specialisation(arg) for arg in warm_args)
+        found.append((((_kernels, name), index, warm_args, dict(options)), (name, (index, *specs, *options.items()))))
+    return found
+
+
+def _kernels():
+    from . import triton_kernels
+
+    return triton_kernels.kernels()
 
 
 def _build_launcher(compiled) -> None:

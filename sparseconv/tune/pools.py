@@ -109,12 +109,13 @@ def _deterministic_params(
 
 
 _REFERENCE = Candidate(FALLBACK)
-_GROUPED = Candidate.of("explicit_gemm_grouped", {"max_waste": 0.25})
+_TABLE = Candidate("explicit_gemm_table")
 
 
 def meanwhile(problem: ConvProblem) -> Candidate:
     """What a product runs while its choice's kernels compile in the background
-    (:meth:`~.precompile.ChoiceCompiles.defer`), compiled by nothing: on a GPU, with 8 kernel offsets or more, explicit_gemm_grouped (torch's batched
-    products, a few per layer where the reference makes two products and a gather and a scatter per offset:
-    ~3x as fast on an H200's MinkUNet keys, and on the cuBLAS shapes of few row buckets); else the reference."""
-    return _GROUPED if problem.device.type == "cuda" and problem.kernel_volume >= 8 else _REFERENCE
+    (:meth:`~.precompile.ChoiceCompiles.defer`), compiled by nothing: on a GPU, explicit_gemm_table (one gather
+    through the neighbour table and one GEMM a chunk of rows: a few launches a product and no float32 scatter, where
+    explicit_gemm_grouped's passes took ~4x the steady pass's time on an H200's MinkUNet, most of it in its scatter's
+    atomics); else the reference."""
+    return _TABLE if problem.device.type == "cuda" else _REFERENCE

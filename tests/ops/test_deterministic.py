@@ -28,7 +28,8 @@ FORWARD, DGRAD, WGRAD = NAMESPACES
 EXPECTED = {
     "explicit_gemm": lambda ns, p: True,  # per offset, index_add_ meets each row once
     "explicit_gemm_grouped": lambda ns, p: ns == WGRAD,  # a group's offsets meet in one index_add_
-    "explicit_gemm_csr": lambda ns, p: False,  # MKL's sparse product: its summation order is not documented
+    "explicit_gemm_csr": lambda ns, p: False,
+    "explicit_gemm_table": lambda ns, p: True,  # one GEMM per chunk of output rows, chunks summed in order  # MKL's sparse product: its summation order is not documented
     "implicit_gemm": lambda ns, p: False,  # fp32 atomics across offsets
     "splitk_wgrad": lambda ns, p: p["split"] == 1,  # split-K chunks meet through atomics
     "mask_implicit_gemm": lambda ns, p: True,  # output-stationary, groups add in launch order

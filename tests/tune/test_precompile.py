@@ -360,7 +360,7 @@ def test_a_rank_beside_one_timing_a_key_runs_the_reference_then_compiles_the_pub
 
 
 def test_while_a_choice_compiles_a_gpu_product_runs_what_needs_no_compile():
-    """explicit_gemm_grouped where it saves launches (a GPU, 8 offsets or more), else the reference."""
+    """explicit_gemm_table on a GPU (a few launches a product, no scatter), the reference elsewhere."""
     from sparseconv.backends.problem import ConvProblem
     from sparseconv.tune.pools import meanwhile
 
@@ -368,7 +368,61 @@ def test_while_a_choice_compiles_a_gpu_product_runs_what_needs_no_compile():
         return ConvProblem(1000, 1000, 32, 32, (kernel,) * 3, (1, 1, 1), (1, 1, 1), False, False, torch.float16,
                            torch.device(device))
 
-    assert meanwhile(problem(3, "cuda")).id == "explicit_gemm_grouped[max_waste=0.25]"
-    assert meanwhile(problem(2, "cuda")).id == "explicit_gemm_grouped[max_waste=0.25]"
-    assert meanwhile(problem(1, "cuda")).id == "explicit_gemm"
+    assert meanwhile(problem(3, "cuda")).id == "explicit_gemm_table"
+    assert meanwhile(problem(2, "cuda")).id == "explicit_gemm_table"
     assert meanwhile(problem(3, "cpu")).id == "explicit_gemm"
+
+
+def test_background_compiles_are_one_job_per_triton_kernel_shared_across_layers():
+    """A Triton backend's hook is recorded, not run: each kernel it would compile is one job, keyed as a map view's
+    kernel is keyed, so layers whose channels specialise alike (here 32 -> 64 and 64 -> 128: both multiples of 16)
+    queue no new job, and a layer whose channels do not (24 -> 40) queues only the kernels that differ."""
+    from sparseconv.backends import triton_launch
+    from sparseconv.backends.compiling import MapShape
+    from sparseconv.backends.problem import ConvProblem
+    from sparseconv.backends import registry
+    from sparseconv.tune.configs import Candidate
+    from sparseconv.tune.precompile import ChoiceCompiles
+
+    class Recording:
+        def __init__(self):
+            self.compiles = []
+
+        def ready(self, key, hook, args, compiles):
+            assert hook is triton_launch.warm_kernel and compiles[0] == "view"
+            self.compiles.append(compiles)
+            return False
+
+        def pending(self, key):
+            return True
+
+    def layer(c_in, c_out):
+        problem = ConvProblem(5000, 5000, c_in, c_out, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False, torch.float16,
+                              torch.device("cuda", 0))
+        return problem, MapShape(5000, 5000, (3, 3, 3), 27, 13, False, False)
+
+    candidate = Candidate.of("mask_implicit_gemm", {"block_k": 32, "block_m": 64, "block_n": 64, "num_stages": 3,
+                                                    "num_warps": 4, "sort": True, "splits": 2})
+    compiles = ChoiceCompiles()
+    compiles.background = Recording()
+    seen = []
+    for c_in, c_out in ((32, 64), (64, 128), (24, 40)):
+        problem, shape = layer(c_in, c_out)
+        before = set(compiles.background.compiles)
+        jobs = compiles._jobs(candidate, registry.get("mask_implicit_gemm"), (FWD, problem, dict(candidate.params_dict),
+                                                                                shape), ("size-less", c_in, c_out))
+        assert compiles.queue(("memo", c_in, c_out), FWD, problem, [candidate], _FakeMap(shape))
+        seen.append(set(compiles.background.compiles) - before)
+        assert len(jobs) > 2  # the views' kernels and two offset groups' products
+        names = [key[1][0] for _, _, key in jobs]
+        assert names.count("rows_gemm") == 2 and "pair_counts" in names
+    assert seen[1] == set()  # nothing new for 64 -> 128
+    assert seen[2] and all(key[1][0] == "rows_gemm" for key in seen[2])  # only the products specialise anew
+
+
+class _FakeMap:
+    """What MapShape.of reads of a kernel map."""
+
+    def __init__(self, shape):
+        for name, value in shape._asdict().items():
+            setattr(self, name, value)

@@ -1,0 +1,96 @@
+"""explicit_gemm_table: a product as one gather through the map's neighbour table and one matrix product, in
+torch: no scatter, no atomics, no compiled kernel.
+
+Output row ``i``'s K neighbours are gathered into one row of K * C_in values (an absent neighbour, -1 in the
+table, reads a zero row appended to the input: torch's indexing counts -1 from the end), and that
+(N_out, K * C_in) matrix times the weight seen as (K * C_in, C_out) is the output: the sum over offsets happens
+inside the GEMM's own (fp32) accumulation. dgrad is the same through the transposed table; wgrad is the gathered
+matrix's transpose times the output gradient, (K * C_in, C_out) at once. Rows run in chunks of at most
+:data:`~.grouped.WORKSPACE_BYTES` of gathered operand.
+
+It multiplies the absent neighbours' zeros too: K / (mean neighbours) times the FLOPs of the per-offset
+products (~3x on a street scan's submanifold maps, 8x on an upsampling map). On a GPU those are cheap tensor-core
+FLOPs against per-offset launches, index lists and float32 atomics: a cold process's layers run it while their
+tuned kernels compile (:func:`sparseconv.tune.pools.meanwhile`). Deterministic: every output is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..coords.kernel_map import KernelMap
+from ..precision import accumulator_dtype
+from .grouped import WORKSPACE_BYTES
+from .problem import NAMESPACES, ConvProblem
+from .registry import Backend, always_deterministic, register
+from .row_buckets import padded_mm, padded_reduction
+
+
+def _chunks(rows: int, row_bytes: int) -> range:
+    """Chunk starts over ``rows`` rows of ``row_bytes`` gathered bytes each (at most WORKSPACE_BYTES a chunk)."""
+    return range(0, rows, max(64, WORKSPACE_BYTES // max(1, row_bytes)))
+
+
+def _gathered_product(source: torch.Tensor, table: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``sum_k source[table[:, k]] @ matrix_k`` for ``matrix`` (K * C, C_out): (rows, C_out) in source's dtype."""
+    rows, volume = table.shape
+    out = source.new_empty((rows, matrix.shape[1]))
+    padded = source.is_cuda  # bucketed cuBLAS shapes: the rows change with every point cloud (.row_buckets)
+    chunk = _chunks(rows, volume * source.shape[1] * source.element_size())
+    for start in chunk:
+        gathered = source[table[start:start + chunk.step]].view(-1, volume * source.shape[1])
+        out[start:start + chunk.step] = padded_mm(gathered, matrix) if padded else torch.mm(gathered, matrix)
+    return out
+
+
+def _zero_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros((1, x.shape[1]))])
+
+
+def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
+    """a: (N_in, C_in) feats, b: (K, C_in, C_out) weight -> (N_out, C_out)."""
+    return _gathered_product(_zero_row(a), kernel_map.neighbors, b.reshape(-1, b.shape[2]))
+
+
+def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
+    """a: (N_out, C_out) output grad, b: (K, C_in, C_out) weight -> (N_in, C_in)."""
+    return _gathered_product(_zero_row(a), kernel_map.transposed_neighbors, b.transpose(1, 2).reshape(-1, b.shape[1]))
+
+
+def wgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
+    """a: (N_in, C_in) feats, b: (N_out, C_out) output grad -> (K, C_in, C_out). Half-precision operands are
+    multiplied in float32, as the reference's are (each product reduces over all output rows)."""
+    dtype, accumulate = a.dtype, accumulator_dtype(a.dtype)
+    source, b = _zero_row(a.to(accumulate)), b.to(accumulate)
+    table, volume = kernel_map.neighbors, kernel_map.kernel_volume
+    out = None
+    chunk = _chunks(table.shape[0], volume * source.shape[1] * source.element_size())
+    for start in chunk:
+        gathered = source[table[start:start + chunk.step]].view(-1, volume * source.shape[1])
+        right = b[start:start + chunk.step]
+        product = padded_reduction(gathered, right) if a.is_cuda else torch.mm(gathered.t(), right)
+        out = product if out is None else out.add_(product)
+    if out is None:
+        out = source.new_zeros((volume * a.shape[1], b.shape[1]))
+    return out.view(volume, a.shape[1], b.shape[1]).to(dtype)
+
+
+_PRODUCTS = dict(zip(NAMESPACES, (forward, dgrad, wgrad)))
+
+
+def run(
+    namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap
+) -> torch.Tensor:
+    return _PRODUCTS[namespace](a, b, kernel_map)
+
+
+def pool(problem: ConvProblem, level: str) -> list[Mapping]:
+    # A GPU's choice while compiling (pools.meanwhile); timed in a GPU sweep of level all, or when named. On a
+    # CPU its extra FLOPs cost: a street1 subm3 (5.2 neighbours of 27) took 7-10x explicit_gemm's time (2 cores).
+    return [{}] if level == "all" and problem.device.type == "cuda" else []
+
+
+EXPLICIT_GEMM_TABLE = register(Backend(name="explicit_gemm_table", ops=frozenset(NAMESPACES), run=run, pool=pool,
+                                       deterministic=always_deterministic))
