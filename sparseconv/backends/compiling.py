@@ -70,13 +70,15 @@ class Background:
         self._queue: queue.Queue | None = None
         self._jobs: dict[Hashable, concurrent.futures.Future] = {}  # by the caller's key
         self._compiling: dict[Hashable, concurrent.futures.Future] = {}  # by what it compiles
+        self._callers: dict[Hashable, Hashable] = {}  # key -> who waits on it
         self._lock = threading.Lock()
 
-    def ready(self, key: Hashable, hook: Callable, args: tuple, compiles: Hashable) -> bool:
+    def ready(self, key: Hashable, hook: Callable, args: tuple, compiles: Hashable, caller: Hashable = None) -> bool:
         """Whether ``key``'s compile (``hook(*args)`` in a worker) has finished: the first call queues
         it and says False; later calls say False until it is done, then True once (and forget it).
         ``compiles`` names what the hook compiles: keys naming the same share one job (many layers
-        of a network run the same kernels on maps of other sizes)."""
+        of a network run the same kernels on maps of other sizes). ``caller`` (default: ``key``) names
+        who waits: :meth:`queued` counts callers (a product waiting on several kernels is one)."""
         with self._lock:
             job = self._jobs.get(key)
             if job is None:
@@ -90,11 +92,13 @@ class Background:
                     job = self._compiling[compiles] = concurrent.futures.Future()
                     self._start().put((job, payload, time.perf_counter()))
                 self._jobs[key] = job
+                self._callers[key] = key if caller is None else caller
                 if not job.done():
                     return False
             elif not job.done():
                 return False
             del self._jobs[key]
+            del self._callers[key]
         error = job.exception()
         if error is not None:
             logger.debug("sparseconv: background compile of %s failed (its first call compiles): %s", key,
@@ -107,8 +111,9 @@ class Background:
         return job is not None and not job.done()
 
     def queued(self) -> int:
-        """How many keys had a compile queued and have not taken their choice since."""
-        return len(self._jobs)
+        """How many callers had a compile queued and have not taken their choice since."""
+        with self._lock:
+            return len({self._callers[key] for key in self._jobs})
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every queued compile has finished; False if ``timeout`` seconds passed first."""

@@ -84,7 +84,7 @@ class ChoiceCompiles:
             args = (namespace, problem, params, shape)
             for at, (hook, hook_args, compiles) in enumerate(self._jobs(candidate, backend, args, sizeless)):
                 job = (memo, candidate.id, at)
-                if not self.background.ready(job, hook, hook_args, compiles):
+                if not self.background.ready(job, hook, hook_args, compiles, memo):
                     waiting.append(job)
         if waiting:
             self._waiting[memo] = waiting

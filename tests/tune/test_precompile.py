@@ -388,8 +388,8 @@ def test_background_compiles_are_one_job_per_triton_kernel_shared_across_layers(
         def __init__(self):
             self.compiles = []
 
-        def ready(self, key, hook, args, compiles):
-            assert hook is triton_launch.warm_kernel and compiles[0] == "view"
+        def ready(self, key, hook, args, compiles, caller):
+            assert hook is triton_launch.warm_kernel and compiles[0] == "view" and caller == key[0]
             self.compiles.append(compiles)
             return False
 
@@ -426,3 +426,17 @@ class _FakeMap:
     def __init__(self, shape):
         for name, value in shape._asdict().items():
             setattr(self, name, value)
+
+
+def test_a_product_waiting_on_several_kernels_counts_once_as_compiling(monkeypatch):
+    import queue
+
+    from sparseconv.backends.compiling import Background
+
+    background = Background(workers=1)
+    monkeypatch.setattr(background, "_start", lambda: queue.Queue())  # queued, never run
+    assert not background.ready(("product", 0), print, (), "kernel a", caller="product")
+    assert not background.ready(("product", 1), print, (), "kernel b", caller="product")
+    assert not background.ready(("view", "c"), print, (), "kernel c")
+    assert not background.ready(("other product", 0), print, (), "kernel a", caller="other product")  # shares a's job
+    assert background.queued() == 3
