@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import logging
+import math
 import os
 import pickle
 import queue
@@ -71,14 +73,18 @@ class Background:
         self._jobs: dict[Hashable, concurrent.futures.Future] = {}  # by the caller's key
         self._compiling: dict[Hashable, concurrent.futures.Future] = {}  # by what it compiles
         self._callers: dict[Hashable, Hashable] = {}  # key -> who waits on it
+        self._order = itertools.count()  # queueing order, among jobs of equal priority
         self._lock = threading.Lock()
 
-    def ready(self, key: Hashable, hook: Callable, args: tuple, compiles: Hashable, caller: Hashable = None) -> bool:
+    def ready(self, key: Hashable, hook: Callable, args: tuple, compiles: Hashable, caller: Hashable = None,
+              priority: float = math.inf) -> bool:
         """Whether ``key``'s compile (``hook(*args)`` in a worker) has finished: the first call queues
         it and says False; later calls say False until it is done, then True once (and forget it).
         ``compiles`` names what the hook compiles: keys naming the same share one job (many layers
         of a network run the same kernels on maps of other sizes). ``caller`` (default: ``key``) names
-        who waits: :meth:`queued` counts callers (a product waiting on several kernels is one)."""
+        who waits: :meth:`queued` counts callers (a product waiting on several kernels is one). Jobs start
+        highest ``priority`` first (what waiting on them costs; a job's is the highest any caller gave it), in
+        queueing order among equals."""
         with self._lock:
             job = self._jobs.get(key)
             if job is None:
@@ -89,8 +95,11 @@ class Background:
                     except Exception as error:  # noqa: BLE001 - a local hook: compiled in the call instead
                         logger.debug("sparseconv: %s cannot compile in the background: %s", key, error)
                         return True
-                    job = self._compiling[compiles] = concurrent.futures.Future()
-                    self._start().put((job, payload, time.perf_counter()))
+                    job = self._compiling[compiles] = _Job(payload)
+                if priority > job.priority and not (job.running() or job.done()):
+                    # (queued again, ahead: the entry left behind is skipped when it comes up)
+                    job.priority = priority
+                    self._start().put((-priority, next(self._order), job, time.perf_counter()))
                 self._jobs[key] = job
                 self._callers[key] = key if caller is None else caller
                 if not job.done():
@@ -121,9 +130,9 @@ class Background:
         done, not_done = concurrent.futures.wait(jobs, timeout=timeout)
         return not not_done
 
-    def _start(self) -> queue.Queue:
+    def _start(self) -> queue.PriorityQueue:
         if self._queue is None:
-            self._queue = queue.Queue()
+            self._queue = queue.PriorityQueue()
             for i in range(self._workers):
                 threading.Thread(target=self._feed, name=f"sparseconv-background-compile-{i}", daemon=True).start()
         return self._queue
@@ -135,14 +144,16 @@ class Background:
         worker = None
         while True:
             try:
-                job, payload, queued = self._queue.get(timeout=IDLE_S if worker is not None else None)
+                _, _, job, queued = self._queue.get(timeout=IDLE_S if worker is not None else None)
             except queue.Empty:
                 worker.stdin.close()
                 worker.wait()
                 worker = None
                 continue
-            if not job.set_running_or_notify_cancel():
-                continue
+            with self._lock:
+                if job.running() or job.done() or not job.set_running_or_notify_cancel():
+                    continue  # an entry a higher priority queued again, or cancelled
+            payload = job.payload
             try:
                 if worker is None or worker.poll() is not None:
                     worker = _spawn_worker()
@@ -163,6 +174,15 @@ class Background:
                 job.set_result(None)
             else:
                 job.set_exception(RuntimeError(error))
+
+
+class _Job(concurrent.futures.Future):
+    """A background compile: its pickled ``(hook, args)`` and the highest priority it was queued at."""
+
+    def __init__(self, payload: bytes) -> None:
+        super().__init__()
+        self.payload = payload
+        self.priority = -math.inf
 
 
 _LOADING = threading.local()

@@ -76,6 +76,10 @@ class ChoiceCompiles:
         # kernel specialises on them), so layers differing only in size share one job.
         sizeless = (namespace, dataclasses.replace(problem, num_in=0, num_out=0), shape._replace(num_in=0, num_out=0))
         waiting = []
+        # What running meanwhile costs, roughly (a gather through the table of every row and offset): the largest
+        # layers' kernels compile first.
+        priority = float(max(problem.num_in, problem.num_out) * problem.kernel_volume
+                         * (problem.in_channels + problem.out_channels))
         for candidate in candidates:
             backend = registry.get(candidate.backend)
             if backend.precompile is None:
@@ -84,7 +88,7 @@ class ChoiceCompiles:
             args = (namespace, problem, params, shape)
             for at, (hook, hook_args, compiles) in enumerate(self._jobs(candidate, backend, args, sizeless)):
                 job = (memo, candidate.id, at)
-                if not self.background.ready(job, hook, hook_args, compiles, memo):
+                if not self.background.ready(job, hook, hook_args, compiles, memo, priority):
                     waiting.append(job)
         if waiting:
             self._waiting[memo] = waiting

@@ -388,7 +388,7 @@ def test_background_compiles_are_one_job_per_triton_kernel_shared_across_layers(
         def __init__(self):
             self.compiles = []
 
-        def ready(self, key, hook, args, compiles, caller):
+        def ready(self, key, hook, args, compiles, caller, priority):
             assert hook is triton_launch.warm_kernel and compiles[0] == "view" and caller == key[0]
             self.compiles.append(compiles)
             return False
@@ -440,3 +440,25 @@ def test_a_product_waiting_on_several_kernels_counts_once_as_compiling(monkeypat
     assert not background.ready(("view", "c"), print, (), "kernel c")
     assert not background.ready(("other product", 0), print, (), "kernel a", caller="other product")  # shares a's job
     assert background.queued() == 3
+
+
+def test_background_jobs_start_highest_priority_first_and_a_job_is_raised_by_its_highest_caller(monkeypatch):
+    import queue
+
+    from sparseconv.backends.compiling import Background
+
+    background = Background(workers=1)
+    waiting = queue.PriorityQueue()
+    monkeypatch.setattr(background, "_start", lambda: waiting)  # queued, never run
+    background.ready("small layer", print, (), "kernel a", priority=10.0)
+    background.ready("view", print, (), "kernel v")  # views: first
+    background.ready("large layer", print, (), "kernel b", priority=1000.0)
+    background.ready("medium layer", print, (), "kernel c", priority=100.0)
+    background.ready("larger layer", print, (), "kernel a", priority=5000.0)  # a's job, raised
+    background.ready("tiny layer", print, (), "kernel c", priority=1.0)  # c's job, not lowered
+    order = []
+    while not waiting.empty():
+        _, _, job, _ = waiting.get()
+        if job not in order:  # (the entry a raised job left behind is skipped by the feeding thread)
+            order.append(job)
+    assert order == [background._compiling[name] for name in ("kernel v", "kernel a", "kernel b", "kernel c")]
