@@ -49,9 +49,15 @@ def _zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((1, x.shape[1]))])
 
 
+def table_product(a: torch.Tensor, table: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a: (N_in, C_in), table: (N_out, K) rows of ``a`` (-1: none), b: (K, C_in, C_out) -> (N_out, C_out):
+    ``sum_k a[table[:, k]] @ b[k]``. No host synchronisation (a graphed pass's product where Triton does not run)."""
+    return _gathered_product(_zero_row(a), table, b.reshape(-1, b.shape[2]))
+
+
 def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
     """a: (N_in, C_in) feats, b: (K, C_in, C_out) weight -> (N_out, C_out)."""
-    return _gathered_product(_zero_row(a), kernel_map.neighbors, b.reshape(-1, b.shape[2]))
+    return table_product(a, kernel_map.neighbors, b)
 
 
 def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from .. import tune
-from ..backends import mask_triton
+from ..backends import mask_triton, table_gemm
 from ..backends.problem import layer_problem
 from ..coords.batch import Batch
 from ..coords.cache import CoordinateCache
@@ -198,16 +198,8 @@ class MapRecorder:
 
 def gathered_product(table: torch.Tensor) -> Product:
     """A table's product in torch's ops (where Triton does not run): sum over offsets k of the rows
-    ``table[:, k]`` of a (-1: a zero row) times W_k; no host synchronisation either."""
-    def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        padded = torch.cat([a, a.new_zeros((1, a.shape[1]))])
-        index = torch.where(table >= 0, table, a.shape[0]).long()
-        out = a.new_zeros((table.shape[0], w.shape[2]))
-        for k in range(table.shape[1]):
-            out.addmm_(padded.index_select(0, index[:, k]), w[k])
-        return out
-
-    return product
+    ``table[:, k]`` of a (-1: a zero row) times W_k (:func:`.table_gemm.table_product`); no host synchronisation."""
+    return lambda a, w: table_gemm.table_product(a, table, w)
 
 
 class CapacityCache:
