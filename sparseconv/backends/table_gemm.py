@@ -36,13 +36,16 @@ def _chunks(rows: int, row_bytes: int) -> range:
 def _gathered_product(source: torch.Tensor, table: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """``sum_k source[table[:, k]] @ matrix_k`` for ``matrix`` (K * C, C_out): (rows, C_out) in source's dtype."""
     rows, volume = table.shape
-    out = source.new_empty((rows, matrix.shape[1]))
     padded = source.is_cuda  # bucketed cuBLAS shapes: the rows change with every point cloud (.row_buckets)
     chunk = _chunks(rows, volume * source.shape[1] * source.element_size())
+    out = source.new_empty((rows, matrix.shape[1])) if len(chunk) > 1 else None  # one chunk: its product is it
     for start in chunk:
         gathered = source[table[start:start + chunk.step]].view(-1, volume * source.shape[1])
-        out[start:start + chunk.step] = padded_mm(gathered, matrix) if padded else torch.mm(gathered, matrix)
-    return out
+        product = padded_mm(gathered, matrix) if padded else torch.mm(gathered, matrix)
+        if out is None:
+            return product
+        out[start:start + chunk.step] = product
+    return source.new_empty((0, matrix.shape[1])) if out is None else out
 
 
 def _zero_row(x: torch.Tensor) -> torch.Tensor:

@@ -54,3 +54,9 @@ def test_half_precision_is_as_close_as_the_reference(dtype, device, monkeypatch)
             error = ((got.double() - exact).abs().max() / exact.abs().max()).item()
             bound = ((reference.double() - exact).abs().max() / exact.abs().max()).item()
             assert error <= 2 * bound + 1e-3, (ours.__name__, workspace, error, bound)
+
+
+def test_a_table_of_no_rows_gives_no_rows():
+    a, w = torch.randn(5, 3), torch.randn(27, 3, 4)
+    out = table_gemm.table_product(a, torch.zeros((0, 27), dtype=torch.int32), w)
+    assert out.shape == (0, 4) and out.dtype == a.dtype
