@@ -119,12 +119,11 @@ class CapacityMaps:
 
     def load(self, maps: Mapping[KernelMapKey, KernelMap]) -> None:
         """Copy a batch's maps (by the recorded keys) into the tables, -1 past each map's output count: the
-        launches of a replay read them. Two launches a map, no host synchronisation."""
+        launches of a replay read them. One fill of every table, then a copy a map; no host synchronisation."""
+        self.flat.fill_(-1)
         for key, table in self.tables.items():
             neighbors = maps[key].neighbors
-            rows = neighbors.shape[0]
-            table[:rows].copy_(neighbors)
-            table[rows:].fill_(-1)
+            table[: neighbors.shape[0]].copy_(neighbors)
 
     def conv(self, cache, feats: torch.Tensor, weight: torch.Tensor, key: KernelMapKey, layer: tuple
              ) -> tuple[torch.Tensor, int]:
