@@ -33,7 +33,8 @@ tuning, Triton, Warp and CuPy caches unless --warm-compilers): import torch, imp
 first inference on one unseen cloud, the first training step on another, 20 inferences on further
 unseen clouds (the largest against the steady pass: ours after its background compiles finished),
 then a second scene's first inference and step (--second-scene). For ours, a second table says where
-each of those passes spent its seconds (cli.probes.PHASES: Warp and Triton builds, tuning, ...).
+each of those passes spent its seconds (cli.probes.PHASES: Warp and Triton builds, tuning, ...), and a
+line when its background compiles ended (seconds after the first inference began).
 
     python scripts/bench_cold_start.py --passes --scene street1 --second-scene street4 --dtype float16 --peers spconv
 """
@@ -120,6 +121,7 @@ def passes_child(args) -> None:
         runner.use(cloud)
         passes[label], phases[label] = phase_seconds(lambda: (getattr(runner, kind)(), sync(device)))
 
+    began, compiles_done = time.perf_counter(), None
     measured("first inference", clouds[0], "infer")
     measured("first step", clouds[1], "step")
     after, after_phases = [], []
@@ -134,7 +136,9 @@ def passes_child(args) -> None:
     if name == "ours":
         import sparseconv.tune
 
-        sparseconv.tune.wait_for_compiles(args.timeout / 4)
+        running = not sparseconv.tune.wait_for_compiles(0)
+        compiled = sparseconv.tune.wait_for_compiles(args.timeout / 4)
+        compiles_done = (time.perf_counter() - began, running) if compiled else None
     steady = []
     for cloud in clouds[2:12]:
         runner.use(cloud)
@@ -145,7 +149,7 @@ def passes_child(args) -> None:
     measured("new scene inference", second[0], "infer")
     measured("new scene step", second[1], "step")
     print(json.dumps({"import torch": imported_torch, "import": imported, "model": built, "passes": passes,
-                      "tuning": tuning,
+                      "tuning": tuning, "compiles done": compiles_done,
                       "phases": phases, "after": after, "steady": statistics.median(steady)}))
 
 
@@ -181,6 +185,14 @@ def passes_table(results: dict[str, dict], args) -> None:
         print(f"\n{name}: the next 20 inferences, ms: " + " ".join(f"{1e3 * s:.0f}" for s in result["after"])
               + f"; after them the tuner had {tuning['settled']} products tuned, {tuning['untimed']} running a pick "
               f"untimed, {tuning['compiling']} waiting for background compiles, {tuning['timed_s']:.2f} s timed in calls")
+        done = result["compiles done"]
+        if done is None:
+            print(f"{name}: the background compiles had not ended by the wait's timeout")
+        elif done[1]:
+            print(f"{name}: the background compiles ended {done[0]:.1f} s after the first inference began")
+        else:
+            print(f"{name}: no background compile was left after the 20 inferences ({done[0]:.1f} s after the first "
+                  "inference began)")
 
 
 def run_config(config: str, args) -> dict:
