@@ -70,7 +70,8 @@ def _groups(kernel_map: KernelMap, params: Mapping) -> list[OffsetGroup]:
     return kernel_map.derived(("explicit_gemm_grouped", waste), lambda m: plan_groups(m, waste))
 
 
-def _padded(x: torch.Tensor) -> torch.Tensor:
+def with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (N, C) with a zero row appended (index N, or -1: what padded and absent pairs gather)."""
     return torch.cat([x, x.new_zeros((1, x.shape[1]))])
 
 
@@ -88,7 +89,7 @@ def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, params: Map
     out = a.new_zeros((kernel_map.num_out + 1, b.shape[2]), dtype=accumulator_dtype(a.dtype))
     if kernel_map.identity_offset is not None:
         out[:-1] += torch.mm(a, b[kernel_map.identity_offset])
-    source = _padded(a)
+    source = with_zero_row(a)
     row_bytes = a.shape[1] * a.element_size() + b.shape[2] * (a.element_size() + out.element_size())
     for g in _groups(kernel_map, params):
         weights = b[g.offsets]
@@ -103,7 +104,7 @@ def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, params: Mappi
     out = a.new_zeros((kernel_map.num_in + 1, b.shape[1]), dtype=accumulator_dtype(a.dtype))
     if kernel_map.identity_offset is not None:
         out[:-1] += torch.mm(a, b[kernel_map.identity_offset].t())
-    source = _padded(a)
+    source = with_zero_row(a)
     row_bytes = a.shape[1] * a.element_size() + b.shape[1] * (a.element_size() + out.element_size())
     for g in _groups(kernel_map, params):
         weights = b[g.offsets].transpose(1, 2)
@@ -118,7 +119,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, params: Mappi
     out = a.new_zeros((kernel_map.kernel_volume, a.shape[1], b.shape[1]))
     if kernel_map.identity_offset is not None:
         out[kernel_map.identity_offset] = torch.mm(a.t(), b)
-    a_padded, b_padded = _padded(a), _padded(b)
+    a_padded, b_padded = with_zero_row(a), with_zero_row(b)
     row_bytes = (a.shape[1] + b.shape[1]) * a.element_size()
     for g in _groups(kernel_map, params):
         chunks = _chunks(g, row_bytes)

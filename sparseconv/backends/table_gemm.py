@@ -22,7 +22,7 @@ import torch
 
 from ..coords.kernel_map import KernelMap
 from ..precision import accumulator_dtype
-from .grouped import WORKSPACE_BYTES
+from .grouped import WORKSPACE_BYTES, with_zero_row
 from .problem import NAMESPACES, ConvProblem
 from .registry import Backend, always_deterministic, register
 from .row_buckets import padded_mm, padded_reduction
@@ -33,29 +33,34 @@ def _chunks(rows: int, row_bytes: int) -> range:
     return range(0, rows, max(64, WORKSPACE_BYTES // max(1, row_bytes)))
 
 
+def _row_chunks(source: torch.Tensor, table: torch.Tensor) -> range:
+    """:func:`_chunks` of ``table``'s rows, each gathering K * C values of ``source``'s dtype."""
+    return _chunks(table.shape[0], table.shape[1] * source.shape[1] * source.element_size())
+
+
+def _gather(source: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """(rows, K * C): each row of ``table``'s K rows of ``source``, side by side."""
+    return source[table].view(-1, table.shape[1] * source.shape[1])
+
+
 def _gathered_product(source: torch.Tensor, table: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """``sum_k source[table[:, k]] @ matrix_k`` for ``matrix`` (K * C, C_out): (rows, C_out) in source's dtype."""
-    rows, volume = table.shape
-    padded = source.is_cuda  # bucketed cuBLAS shapes: the rows change with every point cloud (.row_buckets)
-    chunk = _chunks(rows, volume * source.shape[1] * source.element_size())
-    out = source.new_empty((rows, matrix.shape[1])) if len(chunk) > 1 else None  # one chunk: its product is it
-    for start in chunk:
-        gathered = source[table[start:start + chunk.step]].view(-1, volume * source.shape[1])
-        product = padded_mm(gathered, matrix) if padded else torch.mm(gathered, matrix)
-        if out is None:
-            return product
-        out[start:start + chunk.step] = product
-    return source.new_empty((0, matrix.shape[1])) if out is None else out
-
-
-def _zero_row(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros((1, x.shape[1]))])
+    # bucketed cuBLAS shapes on a GPU: the rows change with every point cloud (.row_buckets)
+    product = padded_mm if source.is_cuda else torch.mm
+    chunks = _row_chunks(source, table)
+    if len(chunks) <= 1:  # one chunk (or no row): its product is the output
+        return product(_gather(source, table), matrix)
+    out = source.new_empty((table.shape[0], matrix.shape[1]))
+    for start in chunks:
+        rows = slice(start, start + chunks.step)
+        out[rows] = product(_gather(source, table[rows]), matrix)
+    return out
 
 
 def table_product(a: torch.Tensor, table: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a: (N_in, C_in), table: (N_out, K) rows of ``a`` (-1: none), b: (K, C_in, C_out) -> (N_out, C_out):
     ``sum_k a[table[:, k]] @ b[k]``. No host synchronisation (a graphed pass's product where Triton does not run)."""
-    return _gathered_product(_zero_row(a), table, b.reshape(-1, b.shape[2]))
+    return _gathered_product(with_zero_row(a), table, b.reshape(-1, b.shape[2]))
 
 
 def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
@@ -65,25 +70,22 @@ def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Te
 
 def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
     """a: (N_out, C_out) output grad, b: (K, C_in, C_out) weight -> (N_in, C_in)."""
-    return _gathered_product(_zero_row(a), kernel_map.transposed_neighbors, b.transpose(1, 2).reshape(-1, b.shape[1]))
+    return _gathered_product(with_zero_row(a), kernel_map.transposed_neighbors,
+                             b.transpose(1, 2).reshape(-1, b.shape[1]))
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
     """a: (N_in, C_in) feats, b: (N_out, C_out) output grad -> (K, C_in, C_out). Half-precision operands are
     multiplied in float32, as the reference's are (each product reduces over all output rows)."""
     dtype, accumulate = a.dtype, accumulator_dtype(a.dtype)
-    source, b = _zero_row(a.to(accumulate)), b.to(accumulate)
-    table, volume = kernel_map.neighbors, kernel_map.kernel_volume
-    out = None
-    chunk = _chunks(table.shape[0], volume * source.shape[1] * source.element_size())
-    for start in chunk:
-        gathered = source[table[start:start + chunk.step]].view(-1, volume * source.shape[1])
-        right = b[start:start + chunk.step]
-        product = padded_reduction(gathered, right) if a.is_cuda else torch.mm(gathered.t(), right)
-        out = product if out is None else out.add_(product)
-    if out is None:
-        out = source.new_zeros((volume * a.shape[1], b.shape[1]))
-    return out.view(volume, a.shape[1], b.shape[1]).to(dtype)
+    source, b, table = with_zero_row(a.to(accumulate)), b.to(accumulate), kernel_map.neighbors
+    out = source.new_zeros((kernel_map.kernel_volume * a.shape[1], b.shape[1]))
+    chunks = _row_chunks(source, table)
+    for start in chunks:
+        rows = slice(start, start + chunks.step)
+        gathered = _gather(source, table[rows])
+        out += padded_reduction(gathered, b[rows]) if a.is_cuda else torch.mm(gathered.t(), b[rows])
+    return out.view(kernel_map.kernel_volume, a.shape[1], b.shape[1]).to(dtype)
 
 
 _PRODUCTS = dict(zip(NAMESPACES, (forward, dgrad, wgrad)))
