@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 import torch
 
 from .. import config
-from . import compiling
+from . import compiling, triton_kernels
 from .cuda_launch import current_stream
 
 
@@ -272,18 +272,13 @@ def recorded(hook: Callable, args: tuple) -> list[tuple[tuple, Hashable]] | None
     found = []
     for kernel, device, warm_args, options in launches:
         name = getattr(kernel, "__name__", None)
-        if name is None or getattr(_kernels(), name, None) is not kernel:
+        if name is None or getattr(triton_kernels.kernels(), name, None) is not kernel:
             return None
         index = device.index if device.index is not None else 0
         specs = tuple((arg, True) if isinstance(arg, torch.dtype) else _specialisation(arg) for arg in warm_args)
-        found.append((((_kernels, name), index, warm_args, dict(options)), (name, (index, *specs, *options.items()))))
+        found.append((((triton_kernels.kernels, name), index, warm_args, dict(options)),
+                      (name, (index, *specs, *options.items()))))
     return found
-
-
-def _kernels():
-    from . import triton_kernels
-
-    return triton_kernels.kernels()
 
 
 def _build_launcher(compiled) -> None:
