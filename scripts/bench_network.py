@@ -75,7 +75,7 @@ import torch
 import sparseconv
 from sparseconv.cli.bench import (MODELS, SCENES, Runner, anchor_tensor, gpu_ms, import_anchor, one_call_ms,
                                   scene_coords, subm_maps, sync, timed, unseen_clouds)
-from sparseconv.cli.probes import OpSites, count_syncs, sync_sites, warp_launches
+from sparseconv.cli.probes import OpSites, count_syncs, gpu_busy, sync_sites, warp_launches
 from sparseconv.nn import SparseConv3d
 
 PEERS = ("spconv", "spconv_triton", "naive")
@@ -326,8 +326,8 @@ def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> dict[st
 def profile_ours(scene: str, dtype, device, args) -> None:
     """Where ours spends host time: per pass kind (inference and training step, on unseen clouds and on
     kept coordinates), the torch ops each line of sparseconv issues (count, host ms), then the host
-    syncs by line and a cProfile (by own time and by cumulative time) of one inference and one
-    training step on unseen clouds."""
+    syncs by line, the GPU's busy share of a pass (:func:`~sparseconv.cli.probes.gpu_busy`) and a cProfile
+    (by own time and by cumulative time) of one inference and one training step on unseen clouds."""
     clouds = iter(unseen_clouds(scene, 24, dtype, device, args.scale))
     first = next(clouds)
     runner = Runner("ours", first.coords, dtype, device, model=args.model)
@@ -358,6 +358,13 @@ def profile_ours(scene: str, dtype, device, args) -> None:
         print("host syncs of one unseen-cloud inference, by the line that caused them:")
         for site, count in sync_sites(passes["infer unseen"]).most_common():
             print(f"  {count:4d}  {site}")
+        print("the GPU's share of a pass on unseen clouds (torch.profiler, per pass of three: busy is the time some"
+              " kernel ran; far under the span, the pass waits on the host)")
+        for label in ("infer unseen", "step unseen"):
+            seen = gpu_busy(passes[label])
+            print(f"  {label}: span {seen['span']:.1f} ms, GPU busy {seen['busy']:.1f} ms "
+                  f"({100 * seen['busy'] / max(seen['span'], 1e-9):.0f}%), {seen['kernels']:.0f} kernels, "
+                  f"{seen['launches']:.0f} launch calls, {seen['sync ms']:.2f} ms in CUDA calls that may wait")
     for label in ("infer unseen", "step unseen"):
         profiler = cProfile.Profile()
         profiler.enable()

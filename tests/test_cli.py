@@ -21,3 +21,29 @@ def test_demo_trains_on_a_tiny_scene_and_prints_the_report(capsys, monkeypatch):
 def test_unknown_scene_is_rejected():
     with pytest.raises(SystemExit):
         main(["demo", "--scene", "forest"])
+
+
+def test_the_covered_time_of_kernel_intervals_is_their_union():
+    import random
+
+    from sparseconv.cli.probes import covered
+
+    rng = random.Random()
+    for _ in range(50):
+        intervals = [(start, start + rng.randint(0, 30)) for start in (rng.randint(0, 200) for _ in range(12))]
+        cells = set()  # brute force: the unit cells some interval covers
+        for start, stop in intervals:
+            cells.update(range(start, stop))
+        assert covered(intervals) == len(cells)
+
+
+@pytest.mark.gpu
+def test_the_gpu_busy_share_of_a_pass_is_measured():
+    import torch
+
+    from sparseconv.cli.probes import gpu_busy
+
+    a = torch.randn(2048, 2048, device="cuda")
+    seen = gpu_busy(lambda: [a @ a for _ in range(4)], passes=2)
+    assert seen["kernels"] >= 4 and seen["launches"] >= 4
+    assert 0 < seen["busy"] <= seen["span"] + 1e-3

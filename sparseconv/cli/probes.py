@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["PHASES", "OpSites", "count_syncs", "phase_seconds", "sync_sites", "warp_launches"]
+__all__ = ["PHASES", "OpSites", "count_syncs", "gpu_busy", "phase_seconds", "sync_sites", "warp_launches"]
 
 
 def warp_launches(fn) -> int:
@@ -76,6 +76,43 @@ def sync_sites(fn) -> collections.Counter:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync")
+
+
+def covered(intervals) -> float:
+    """The length of the union of ``intervals`` ((start, end) pairs, in any order, overlapping or not)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def gpu_busy(fn, passes: int = 3) -> dict[str, float]:
+    """What ``passes`` calls of ``fn`` on a CUDA device leave the GPU doing (torch.profiler), per pass: "span" (ms
+    from the first host event to the last), "busy" (ms during which some kernel ran: the union of their
+    intervals), "kernels", "launches" (launch calls on the host), "sync ms" (host time inside the CUDA calls that
+    can wait for the device: synchronisations and copies). A pass whose busy time is far under its span is bound
+    by the host, not by its kernels; its sync ms say whether the host waited or worked."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        torch.cuda.synchronize()
+        for _ in range(passes):
+            fn()
+        torch.cuda.synchronize()
+    events = profile.events()
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = covered(kernels)
+    span = max(e.time_range.end for e in host) - min(e.time_range.start for e in host) if host else 0.0
+    waits = sum(e.time_range.end - e.time_range.start for e in host if e.name in SYNC_CALLS)
+    return {"span": span / 1e3 / passes, "busy": busy / 1e3 / passes, "kernels": len(kernels) / passes,
+            "launches": sum(e.name in LAUNCH_CALLS for e in host) / passes, "sync ms": waits / 1e3 / passes}
 
 
 PHASES = (
