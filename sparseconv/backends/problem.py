@@ -31,7 +31,8 @@ class ConvProblem:
     dtype: torch.dtype
     device: torch.device
     lone: bool = False
-    """The map serves this product alone in a batch (:attr:`KernelMap.lone`): views built for it are its cost."""
+    """The map serves this product alone in a batch (:attr:`sparseconv.coords.batch.MapUse.lone`): views built for it
+    are its cost."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.num_in, self.num_out, self.in_channels, self.out_channels,
@@ -64,9 +65,10 @@ class ConvProblem:
         return kx * ky * kz
 
 
-def layer_problem(kernel_map: KernelMap, layer: tuple) -> ConvProblem:
+def layer_problem(kernel_map: KernelMap, layer: tuple, lone: bool = False) -> ConvProblem:
     """The problem of a layer (:attr:`ConvProblem.layer`: in_channels, out_channels, kernel_size, stride,
     dilation, transposed, generative, dtype, device) on ``kernel_map``, kept with the map: one object per
     (map, layer), so the eager and compiled calls of the layer, the tuner's memo keyed on it and the
-    products the tuner prepares ahead for a new batch's map share it."""
-    return kernel_map.derived(("conv_problem", *layer), lambda m: ConvProblem(m.num_in, m.num_out, *layer, m.lone))
+    products the tuner prepares ahead for a new batch's map share it. ``lone``: the map serves this product
+    alone in its batch (:attr:`sparseconv.coords.batch.MapUse.lone`), as the first call on the map says."""
+    return kernel_map.derived(("conv_problem", *layer), lambda m: ConvProblem(m.num_in, m.num_out, *layer, lone))

@@ -3,8 +3,9 @@
 A :class:`~.cache.CoordinateCache` holds a batch's coordinate sets, tables and kernel maps; its :class:`Batch`
 holds the rest of what the batch's layers share: the map plan's record of the batch and the maps it built
 ahead, the builders the floor above passed in (:class:`Builders`), and per map a :class:`MapUse` (the
-tuner's prepared products on it, the plan's counts of its products). A :class:`~.kernel_map.KernelMap` is the
-map and its views; nothing here is stored on it but its device kernels and the plan's hints.
+tuner's prepared products on it, the plan's counts of its products, whether it serves one product alone). A
+:class:`~.kernel_map.KernelMap` is the map and its views; nothing here is stored on it but its device kernels and
+the plan's estimates of its counts.
 
 Nothing is registered at import: the floor above names its builders in one place
 (:mod:`sparseconv.ops.batch`) and passes them with each map request.
@@ -47,11 +48,12 @@ class MapUse:
     call): a layer's later calls on the map go straight to its kernels. The rest is the plan's: ``spec``, what
     it knows the map by (:class:`~.prebuild.MapSpec`; None for an adjoint, recorded under its source's);
     ``uses``, the products made on the map (a cell of the plan's record, read by the next batches:
-    :attr:`KernelMap.lone`); ``recipes``, where the products prepared at layers' first calls are recorded
+    :attr:`lone`); ``recipes``, where the products prepared at layers' first calls are recorded
     (prepared ahead on the next batch's map); ``forward_count`` / ``forward_left``, the forward products of a
     training pass on the map and how many are still expected (:meth:`forward_done`)."""
 
-    __slots__ = ("map", "_batch", "calls", "spec", "uses", "recipes", "planned", "forward_count", "forward_left")
+    __slots__ = ("map", "_batch", "calls", "spec", "uses", "recipes", "planned", "forward_count", "forward_left",
+                 "lone")
 
     def __init__(self, kernel_map: KernelMap, batch: Batch) -> None:
         # The batch by a weak reference: a cycle between it and its uses would hold a batch's maps, views and
@@ -65,6 +67,11 @@ class MapUse:
         """Recipes prepared on this map ahead (by the plan's call builder): its record keeps them."""
         self.forward_count: list[int] | None = None
         self.forward_left = 0
+        self.lone = False
+        """The map serves one product a batch, built alone: the last two batches asked for this map and no other,
+        and made one product on it (a lone layer's inference). Set by the map plan; the layer's problem then says
+        so (:attr:`~sparseconv.backends.problem.ConvProblem.lone`), and the tuner times its candidates with the
+        views they build (:meth:`~.kernel_map.KernelMap.unviewed`), which no other product shares."""
 
     def used(self) -> None:
         """Count a product made on the map (every product: forward, dgrad and wgrad)."""

@@ -237,22 +237,18 @@ class KernelMap:
         if releasable:
             self.__dict__.setdefault("_releasable", []).append(key)
 
-    # Hints: what an earlier batch's map under this map's key tells about this one before it is counted. Facts the
-    # map plan knows (set once, when a layer first asks for the map), read where the map is (backends' views, the
-    # tuner's key); the batch's bookkeeping is not here (:class:`sparseconv.coords.batch.MapUse`).
-    lone = False
-    """This map serves one product a batch, built alone: the last two batches asked for this map and no other,
-    and made one product on it (a lone layer's inference). Set by the map plan (:mod:`.plan`); the tuner
-    then times candidates with the views they build (:meth:`unviewed`), which no other product shares."""
+    # Estimates of this map's counts: what an earlier batch's map under this map's key says before this one is
+    # counted. Set once by the map plan, when a layer first asks for the map, and read where the map is (backends'
+    # views, the tuner's key); how the batch uses the map is not here (:class:`sparseconv.coords.batch.MapUse`).
     fill_hint: tuple[int, int] | None = None
     """(pairs, table slots) of the last batch's map under this map's key, for a map built when a layer asked
     for it (not ahead), read without a wait: the tuner's key takes how full this map is from it rather than
     waiting for this map's counts (a host sync). Set by the map plan (:mod:`.plan`)."""
 
     count_hint: torch.Tensor | None = None
-    """(K,) pairs per offset of an earlier batch's map under this map's key, on the device, for a :attr:`lone` map
-    whose own are not counted: its row orders rank the offsets by them (:meth:`ranking_counts`). Set by the map
-    plan (:mod:`.plan`)."""
+    """(K,) pairs per offset of an earlier batch's map under this map's key, on the device, for a lone map
+    (:attr:`sparseconv.coords.batch.MapUse.lone`) whose own are not counted: its row orders rank the offsets by
+    them (:meth:`ranking_counts`). Set by the map plan (:mod:`.plan`)."""
 
     def ranking_counts(self) -> torch.Tensor:
         """(K,) counts that rank the offsets of a row order (rarest first): this map's where counted already, else
@@ -265,14 +261,14 @@ class KernelMap:
 
     def unviewed(self) -> KernelMap:
         """This map as a new batch's build leaves it: its table, sizes, flags and pair counts, none of the
-        views or products built on it since (the tuner times a :attr:`lone` map's candidates on these)."""
+        views or products built on it since (the tuner times a lone map's candidates on these)."""
         if self.transpose_of is not None:
             return self.transpose_of.unviewed().transposed()
         copy = KernelMap.__new__(KernelMap)
         copy.neighbors = self.neighbors
         copy._describe(self.num_in, self.num_out, self.kernel_size, self.identity_offset)
         copy.each_input_once, copy.each_output_once = self.each_input_once, self.each_output_once
-        copy.lone, copy.fill_hint, copy.count_hint = self.lone, self.fill_hint, self.count_hint
+        copy.fill_hint, copy.count_hint = self.fill_hint, self.count_hint
         copy.kernels = self.kernels
         for name in ("offset_counts", "pair_counts", "num_pairs"):
             if name in self.__dict__:

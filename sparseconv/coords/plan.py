@@ -64,7 +64,7 @@ class Record:
         self.uses: dict[MapSpec, list[int]] = {}
         """Per map, the products made on it and on its adjoint (:attr:`~.batch.MapUse.uses`)."""
         self.lone: MapSpec | None = None
-        """The map of a lone layer (:attr:`KernelMap.lone`): the one map each of the last two batches
+        """The map of a lone layer (:attr:`~.batch.MapUse.lone`): the one map each of the last two batches
         asked for, each making one product on it."""
         self.counts: dict[KernelMapKey, Counted] = {}
         """The pair counts of the maps this batch built itself (not ahead), on their way to the host without a
@@ -92,7 +92,7 @@ class Record:
             use.recipes = self._calls_of(use, (spec, False))
             use.spec = spec
             use.uses = self.uses.setdefault(spec, [0])
-            kernel_map.lone = spec == self.lone
+            use.lone = spec == self.lone
             self._count(use, (spec, False))
             _replay(kernel_map)
         source = kernel_map.transpose_of
@@ -111,7 +111,7 @@ class Record:
         started on their way to the host for the next batch. Its tuner keys then wait for no count of its own
         (a host sync a map: 8 of a detection backbone's 18 a pass, its maps on generated sets not planned).
 
-        A :attr:`~KernelMap.lone` map is not counted at all in :data:`RECOUNT` batches but one: it carries the
+        A lone map (:attr:`~.batch.MapUse.lone`) is not counted at all in :data:`RECOUNT` batches but one: it carries the
         count of the last batch that counted, as its fill and as the ranks of its row orders' offsets
         (:attr:`KernelMap.count_hint`). The count and its copy were a third of such a map's host time (street1,
         H200), and nothing else of its one product reads them; a map that more products share keeps its own

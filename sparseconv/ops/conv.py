@@ -137,7 +137,7 @@ def checked_conv3d(
         out, out_id = capacity.conv(input.cache, feats, weight, key, layer)
         return SparseTensor._derived(out if bias is None else out + bias, input.cache, out_id)
     kernel_map, use, out_id = batch.kernel_map(input.cache, key)
-    problem = layer_problem(kernel_map, layer)
+    problem = layer_problem(kernel_map, layer, use.lone)
     if torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad):
         out = SparseConvFunction.apply(feats, weight, kernel_map, use, problem, pins, record)
         use.forward_done()  # after the map's last forward product, what only backward reads is dropped

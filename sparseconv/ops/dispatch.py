@@ -73,7 +73,7 @@ def dispatch(
 ) -> torch.Tensor:
     """Run product ``namespace`` of ``problem`` with the algorithm the pin or the tuner picks; ``use``: the
     map's use in its batch (:func:`.batch.kernel_map`), which counts the product and keeps it prepared."""
-    if use is not None:  # the map plan counts a map's products (KernelMap.lone)
+    if use is not None:  # the map plan counts a map's products (MapUse.lone)
         use.used()
     return tune.run(namespace, problem, algo, a, b, kernel_map, record, use)
 

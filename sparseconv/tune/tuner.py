@@ -219,7 +219,7 @@ class Tuner:
         recipe's namespace, where the caller read them already."""
         try:
             namespace, pin, layer = recipe
-            problem = layer_problem(kernel_map, layer)
+            problem = layer_problem(kernel_map, layer, use.lone)
             if settings is None:
                 settings = config.product_settings(namespace)
             memo = (namespace, problem, pin, settings)

@@ -343,8 +343,9 @@ def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_
         maps.append(kernel_map)
         assert x.cache.batch.use(kernel_map).uses == [products]
         problems = [view for key, view in kernel_map._derived.items() if key[0] == "conv_problem"]
-        assert [problem.lone for problem in problems] == [kernel_map.lone]  # what the tuner reads
-        return kernel_map.lone
+        lone = x.cache.batch.use(kernel_map).lone
+        assert [problem.lone for problem in problems] == [lone]  # what the tuner reads
+        return lone
 
     maps = []
     requests(batch(device, 0))  # a network's batch
@@ -358,7 +359,7 @@ def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_
     requests(batch(device, 11))  # a network again (its first map was taken for the lone layer's: no harm)
     x = batch(device, 12)
     requests(x)
-    assert not any(kernel_map.lone for kernel_map in x.cache.kernel_maps())
+    assert not any(x.cache.batch.use(kernel_map).lone for kernel_map in x.cache.kernel_maps())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -384,7 +385,7 @@ def test_a_lone_map_is_counted_once_every_recount_batches_and_carries_that_count
         with torch.no_grad():
             expected = reference(copy.deepcopy(conv).double(), x, out, x.feats.double())  # dense conv3d, float64
         assert relative_error(out.feats, expected) < 1e-5
-        if kernel_map.lone:
+        if x.cache.batch.use(kernel_map).lone:
             lone.append(kernel_map)
             if last is not None:  # the count this map carries: the last counted map's
                 assert kernel_map.fill_hint == (sum(last.pair_counts), last.num_out * 27)

@@ -149,7 +149,7 @@ def test_a_lone_maps_key_takes_its_fill_from_the_last_batch_without_reading_its_
 
     table = torch.tensor([[0, -1, 1], [1, 0, -1]], dtype=torch.int32)
     kernel_map = KernelMap(table, 2, (3, 1, 1), identity_offset=1)
-    kernel_map.lone, kernel_map.fill_hint = True, (10, 1000)
+    kernel_map.fill_hint = (10, 1000)
     problem = _problem(num_in=2, num_out=2, kernel_size=(3, 1, 1), stride=(1, 1, 1), lone=True)
     key = make_key("AB_gather_scatter", problem, kernel_map)
     assert key.density == density_bucket(10, 1000) != density_bucket(4, 6)

@@ -328,7 +328,7 @@ def test_a_settled_choice_runs_its_prepared_call_until_the_settings_or_backend_c
 
 
 def test_a_lone_maps_candidates_are_timed_building_their_views_on_each_call():
-    # A map serving one product a batch (KernelMap.lone) builds its views for that product alone:
+    # A map serving one product a batch (MapUse.lone) builds its views for that product alone:
     # the sweep times each candidate on the map without its views, as a new batch's map is, so a
     # candidate needing costly views pays for them; other maps are timed with their views kept.
     seen = []
