@@ -107,7 +107,8 @@ def gpu_busy(fn, passes: int = 3) -> dict[str, float]:
         torch.cuda.synchronize()
     events = profile.events()
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = covered(kernels)
     span = max(e.time_range.end for e in host) - min(e.time_range.start for e in host) if host else 0.0
     waits = sum(e.time_range.end - e.time_range.start for e in host if e.name in SYNC_CALLS)

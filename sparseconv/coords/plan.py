@@ -111,8 +111,8 @@ class Record:
         started on their way to the host for the next batch. Its tuner keys then wait for no count of its own
         (a host sync a map: 8 of a detection backbone's 18 a pass, its maps on generated sets not planned).
 
-        A lone map (:attr:`~.batch.MapUse.lone`) is not counted at all in :data:`RECOUNT` batches but one: it carries the
-        count of the last batch that counted, as its fill and as the ranks of its row orders' offsets
+        A lone map (:attr:`~.batch.MapUse.lone`) is not counted at all in :data:`RECOUNT` batches but one: it
+        carries the count of the last batch that counted, as its fill and as the ranks of its row orders' offsets
         (:attr:`KernelMap.count_hint`). The count and its copy were a third of such a map's host time (street1,
         H200), and nothing else of its one product reads them; a map that more products share keeps its own
         (a wgrad reads them on the host)."""
