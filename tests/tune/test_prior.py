@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 from conv_cases import MODES, make_input
-from fakes import Calls, registered
+from fakes import Calls, VirtualClock, registered
 
 import sparseconv.tune
 from sparseconv.ops import sparse_conv3d
 from sparseconv.backends import Backend, explicit
-from sparseconv.tune import prior
+from sparseconv.tune import prior, timing
 from sparseconv.tune.cache import TuneCache
 from sparseconv.tune.configs import Candidate
 from sparseconv.tune.key import TuneKey, device_identity
@@ -168,11 +168,22 @@ def test_quick_times_the_top_picks_and_unknown_candidates_then_the_rest_only_if_
 
 # ---------------------------------------------------------------- in the tuner -----------------
 
-def _speeds(calls: Calls, wrong: frozenset = frozenset(), **fields) -> Backend:
-    """Six parameter sets that sleep 0, 4, ..., 20 ms; those in ``wrong`` return noise; ``fields``: more Backend fields."""
+@pytest.fixture
+def clock(monkeypatch) -> VirtualClock:
+    """The tuner's timer on a virtual clock, which :func:`_speeds`'s fakes advance: their costs are exact.
+    (Real sleeps 4 ms apart were not: on a busy 2-core CI machine a slower level was now and then timed
+    the faster.)"""
+    virtual = VirtualClock()
+    monkeypatch.setattr(timing, "clock", virtual)
+    return virtual
+
+
+def _speeds(calls: Calls, clock: VirtualClock, wrong: frozenset = frozenset(), **fields) -> Backend:
+    """Six parameter sets whose calls cost 1, 5, ..., 21 ms on ``clock``; those in ``wrong`` return noise;
+    ``fields``: more Backend fields."""
     def run(namespace, problem, params, a, b, kernel_map):
         calls.add(f"fake_speeds[{params['level']}]", namespace)
-        time.sleep(params["level"] * 4e-3)
+        clock.advance(1e-3 + params["level"] * 4e-3)
         out = explicit.run(namespace, problem, params, a, b, kernel_map)
         return torch.randn_like(out) if params["level"] in wrong else out
 
@@ -202,10 +213,10 @@ def _conv(**pins):
 
 
 @pytest.mark.parametrize("effort", ["quick", "full"])
-def test_the_tuner_times_only_the_models_top_picks_under_quick(monkeypatch, effort):
+def test_the_tuner_times_only_the_models_top_picks_under_quick(monkeypatch, effort, clock):
     monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", effort)
     calls = Calls()
-    with registered(_speeds(calls)):
+    with registered(_speeds(calls, clock)):
         _seed_cache()
         record = _conv(fwd_algo=["fake_speeds"])
     timed = {i for i in range(6) if calls.of(f"fake_speeds[{i}]")}
@@ -214,9 +225,9 @@ def test_the_tuner_times_only_the_models_top_picks_under_quick(monkeypatch, effo
 
 
 @pytest.mark.parametrize("effort", ["quick", "full"])
-def test_a_recorded_decision_stands_under_quick_when_a_refitted_model_ranks_others_first(monkeypatch, effort):
+def test_a_recorded_decision_stands_under_quick_when_a_refitted_model_ranks_others_first(monkeypatch, effort, clock):
     calls = Calls()
-    with registered(_speeds(calls)):
+    with registered(_speeds(calls, clock)):
         _seed_cache()
         _conv(fwd_algo=["fake_speeds"])
         cache = sparseconv.tune.get_tuner().cache
@@ -235,7 +246,7 @@ def test_a_recorded_decision_stands_under_quick_when_a_refitted_model_ranks_othe
         assert timed >= {0, 1, 2, 3, 5}  # full times every candidate the entry lacks
 
 
-def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_timed_once_it_refills(monkeypatch):
+def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_timed_once_it_refills(monkeypatch, clock):
     from sparseconv.tune import tuner as tuner_module
     from sparseconv.tune.budget import TimingBudget
 
@@ -245,7 +256,7 @@ def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_ti
     calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
     weight = torch.randn(27, 4, 5)
-    with registered(_speeds(calls)):
+    with registered(_speeds(calls, clock)):
         _seed_cache(fastest=4)  # the pool's order (by id) puts level 0 first
         tuner = sparseconv.tune.get_tuner()
         tuner.budget = TimingBudget(share=0.0, burst=0.0)  # spent, and never refilled
@@ -280,12 +291,12 @@ def _one_layer():
     return algorithm
 
 
-def test_a_waiting_key_keeps_its_loaded_stand_in_while_its_sweep_compiles(monkeypatch):
+def test_a_waiting_key_keeps_its_loaded_stand_in_while_its_sweep_compiles(monkeypatch, clock):
     from sparseconv.tune.budget import TimingBudget
 
     calls = Calls()
     algorithm = _one_layer()
-    with registered(_speeds(calls)):
+    with registered(_speeds(calls, clock)):
         _seed_cache(fastest=4)
         tuner = sparseconv.tune.get_tuner()
         tuner.budget = TimingBudget(share=0.0, burst=0.0)
@@ -293,12 +304,12 @@ def test_a_waiting_key_keeps_its_loaded_stand_in_while_its_sweep_compiles(monkey
         tuner.budget = TimingBudget()
         # The budget allows a sweep, whose kernels compile in the background first (as on a GPU): the stand-in
         # runs meanwhile, not the reference, in the call that queued them and in those while they compile.
-        monkeypatch.setattr(tuner._compiles, "defer", lambda *args: True)
-        assert algorithm() == "fake_speeds[level=4]"
-        monkeypatch.setattr(tuner._compiles, "pending", lambda memo: True)
-        monkeypatch.setattr(sparseconv.tune.tuner.compiling, "on_gpu_eagerly", lambda a: True)
-        assert algorithm() == "fake_speeds[level=4]"
-        monkeypatch.undo()
+        with monkeypatch.context() as compiling:
+            compiling.setattr(tuner._compiles, "defer", lambda *args: True)
+            assert algorithm() == "fake_speeds[level=4]"
+            compiling.setattr(tuner._compiles, "pending", lambda memo: True)
+            compiling.setattr(sparseconv.tune.tuner.compiling, "on_gpu_eagerly", lambda a: True)
+            assert algorithm() == "fake_speeds[level=4]"
         assert sum(calls.counts.values()) == 4  # nothing timed yet
         assert algorithm() == "fake_speeds[level=3]"  # compiled: timed, and the winner settled
         assert [c[2] for c in tuner.choices()] == ["fake_speeds[level=3]"]
@@ -330,10 +341,10 @@ def _background(monkeypatch, tuner) -> list:
 
 
 def test_where_kernels_compile_in_the_background_a_recorded_key_runs_its_best_at_once_and_times_the_rest_later(
-        monkeypatch):
+        monkeypatch, clock):
     calls = Calls()
     algorithm = _one_layer()
-    with registered(_speeds(calls)):
+    with registered(_speeds(calls, clock)):
         _seed_levels(range(5), fastest=4)  # level 5: unknown to the cost model, timed wherever met
         algorithm()  # this key's records (on the CPU, timed in the call)
         cache = sparseconv.tune.get_tuner().cache
@@ -363,10 +374,10 @@ def test_where_kernels_compile_in_the_background_a_recorded_key_runs_its_best_at
         assert (done.settled, done.untimed, done.compiling) == (1, 0, 0) and done.timed_s == tuner.budget.spent_s
 
 
-def test_where_kernels_compile_in_the_background_a_key_without_records_compiles_its_sweep_first(monkeypatch):
+def test_where_kernels_compile_in_the_background_a_key_without_records_compiles_its_sweep_first(monkeypatch, clock):
     calls = Calls()
     algorithm = _one_layer()
-    with registered(_speeds(calls)):
+    with registered(_speeds(calls, clock)):
         _seed_cache(fastest=4)
         tuner = sparseconv.tune.get_tuner()
         queued = _background(monkeypatch, tuner)
@@ -377,12 +388,12 @@ def test_where_kernels_compile_in_the_background_a_key_without_records_compiles_
         assert {i for i in range(6) if calls.of(f"fake_speeds[{i}]")} == {3, 4, 5}
 
 
-def test_inside_a_waived_stretch_a_new_key_is_timed_at_once_where_kernels_compile_in_the_background(monkeypatch):
+def test_inside_a_waived_stretch_a_new_key_is_timed_at_once_where_kernels_compile_in_the_background(monkeypatch, clock):
     from sparseconv.tune import tuner as tuner_module
 
     monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
     calls = Calls()
-    with registered(_speeds(calls)):
+    with registered(_speeds(calls, clock)):
         _seed_cache(fastest=4)
         tuner = sparseconv.tune.get_tuner()
         monkeypatch.setattr(tuner._compiles, "defer", lambda *args: False)  # compiled
@@ -393,7 +404,7 @@ def test_inside_a_waived_stretch_a_new_key_is_timed_at_once_where_kernels_compil
 
 
 @pytest.mark.parametrize("setting", ["full", "deterministic"])
-def test_effort_full_and_deterministic_mode_time_a_new_key_even_over_the_budget(monkeypatch, setting):
+def test_effort_full_and_deterministic_mode_time_a_new_key_even_over_the_budget(monkeypatch, setting, clock):
     from sparseconv.tune.budget import TimingBudget
 
     if setting == "full":
@@ -402,7 +413,7 @@ def test_effort_full_and_deterministic_mode_time_a_new_key_even_over_the_budget(
         previous = sparseconv.set_deterministic(True)
     calls = Calls()
     try:
-        with registered(_speeds(calls, deterministic=lambda namespace, params: True)):
+        with registered(_speeds(calls, clock, deterministic=lambda namespace, params: True)):
             _seed_cache()
             sparseconv.tune.get_tuner().budget = TimingBudget(share=0.0, burst=0.0)
             _conv(fwd_algo=["fake_speeds"])
@@ -412,11 +423,11 @@ def test_effort_full_and_deterministic_mode_time_a_new_key_even_over_the_budget(
     assert sum(calls.counts.values()) > 1  # timed in the call
 
 
-def test_the_model_is_fitted_on_the_shipped_tunings_beneath_an_empty_cache(monkeypatch, tmp_path):
+def test_the_model_is_fitted_on_the_shipped_tunings_beneath_an_empty_cache(monkeypatch, tmp_path, clock):
     from sparseconv.tune import shipped
 
     calls = Calls()
-    with registered(_speeds(calls)):
+    with registered(_speeds(calls, clock)):
         _seed_cache()
         cache = sparseconv.tune.get_tuner().cache
         folder = tmp_path / "shipped"
@@ -435,9 +446,10 @@ def test_the_model_is_fitted_on_the_shipped_tunings_beneath_an_empty_cache(monke
     shipped.forget()
 
 
-def test_the_tuner_times_the_rest_when_no_top_pick_passes(caplog):
+def test_the_tuner_times_the_rest_when_no_top_pick_passes(caplog, clock):
     calls = Calls()
-    with registered(_speeds(calls, wrong=frozenset({0, 1, 2}))), caplog.at_level(logging.INFO, "sparseconv.tune"):
+    with (registered(_speeds(calls, clock, wrong=frozenset({0, 1, 2}))),
+          caplog.at_level(logging.INFO, "sparseconv.tune")):
         _seed_cache()
         record = _conv(fwd_algo=["fake_speeds"])
     assert all(calls.of(f"fake_speeds[{i}]") for i in range(6))
@@ -445,19 +457,19 @@ def test_the_tuner_times_the_rest_when_no_top_pick_passes(caplog):
     assert "no pick passed" in caplog.text
 
 
-def test_effort_none_runs_the_models_first_pick_untimed(monkeypatch):
+def test_effort_none_runs_the_models_first_pick_untimed(monkeypatch, clock):
     monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "none")
     calls = Calls()
-    with registered(_speeds(calls)):
+    with registered(_speeds(calls, clock)):
         _seed_cache(fastest=4)  # the pool's order (by id) puts level 0 first
         record = _conv(fwd_algo=["fake_speeds"])
     assert record[FWD] == "fake_speeds[level=4]"
     assert sum(calls.counts.values()) == 1  # the forward itself: nothing timed
 
 
-def test_no_data_fallback_in_the_tuner_is_the_heuristic_order(monkeypatch):
+def test_no_data_fallback_in_the_tuner_is_the_heuristic_order(monkeypatch, clock):
     monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "none")
-    with registered(_speeds(Calls())):
+    with registered(_speeds(Calls(), clock)):
         record = _conv(fwd_algo=["fake_speeds"])
     assert record[FWD] == "fake_speeds[level=0]"  # equal heuristic scores: the pool is in id order
 
