@@ -95,6 +95,8 @@ def build_planned_tile_plans(wanted: list[tuple[KernelMap, list]]) -> None:
             if rows.dtype != torch.int64:
                 continue
             parts.setdefault(block_m, []).append((kernel_map, key, table, rows, -(-rows.numel() // block_m), hi - lo))
+    if not parts:
+        return  # (a CPU's maps: torch's ops build their views, and a CPU-only install has no Triton to import)
     kernels = tk.kernels()
     for block_m, group in parts.items():
         meta, first = [], 0

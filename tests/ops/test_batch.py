@@ -11,7 +11,8 @@ from conftest import DEVICES
 from sparse_reference import random_coords
 
 from sparseconv import SparseTensor
-from sparseconv.coords import KernelMapKey
+from sparseconv.backends import triton_kernels
+from sparseconv.coords import KernelMapKey, prebuild
 from sparseconv.nn import SparseConv3d, SparseConvTranspose3d
 from sparseconv.ops import batch as ops_batch
 
@@ -81,3 +82,29 @@ def test_a_layers_later_calls_on_a_map_run_the_product_prepared_in_the_maps_use(
         assert len(use.calls) == 1 and use.uses == [1]
         second = conv(x)
     assert len(use.calls) == 1 and use.uses == [2] and torch.equal(first.feats, second.feats)
+
+
+def test_a_cpu_batch_is_planned_without_triton(monkeypatch, caplog):
+    # A CPU-only install has no Triton (it comes with the GPU and test extras): the plan's view builders, which
+    # build nothing on a CPU outside Triton's interpreter, must not import it. They did, and every CPU user's
+    # second batch warned that planning failed and built its maps one layer at a time from then on.
+    def no_triton():
+        raise ModuleNotFoundError("No module named 'triton'")
+
+    built = []  # how many maps each planned batch built ahead (the layers take them from the dict after)
+
+    def build(*args):
+        maps = planned_build(*args)
+        built.append(len(maps))
+        return maps
+
+    planned_build = prebuild.build
+    monkeypatch.setattr(prebuild, "build", build)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_kernels, "kernels", no_triton)
+    layers = network("cpu")
+    with caplog.at_level("WARNING", logger="sparseconv"):
+        for seed in range(4):
+            step(layers, "cpu", seed)  # every batch after the first planned from the ones before
+    assert not caplog.records, [r.message for r in caplog.records]
+    assert len(built) == 3 and all(built), "every planned batch built its maps ahead"
