@@ -122,7 +122,7 @@ def test_readme_and_quickstart_give_the_same_times_for_the_demo_and_the_tests():
     for page in INSTALL_PAGES:
         text = " ".join((ROOT / page).read_text().split())
         said[page] = {
-            "demo": re.findall(r"its own wall time: about ([\d.-]+ minutes? on a 2-core CPU)", text),
+            "demo": re.findall(r"its own wall time: about ([\d.-]+ (?:minutes?|seconds) on a 2-core CPU)", text),
             "tests": re.findall(r"about ([\d.-]+ minutes on a 2-core CPU)[^.]*?(?:with this install|torch installed)", text),
         }
     assert said["README.md"] == said["docs/quickstart.md"], said
