@@ -18,8 +18,9 @@ from collections.abc import Mapping
 import torch
 
 from ..coords.kernel_map import KernelMap
+from ..precision import product_dtype
 from .problem import ConvProblem
-from .registry import Backend, register
+from .registry import Backend, in_product_dtype, register
 
 SCATTERING = ("AB_gather_scatter", "ABt_gather_scatter")
 """The products with a scatter (forward, dgrad)."""
@@ -79,10 +80,10 @@ def _pool(problem: ConvProblem, level: str) -> list[Mapping]:
 def _supports(problem: ConvProblem) -> str | None:
     if problem.device.type != "cpu":
         return "runs on the CPU (where index_add_ is serial); GPUs have the scatter kernels of the other backends"
-    if problem.dtype not in DTYPES:
-        return f"torch's CPU sparse product takes float32 or float64, not {problem.dtype}"
+    if product_dtype(problem.dtype, problem.device) not in DTYPES:
+        return f"torch's CPU sparse product takes float32 or float64 (float16 multiplied in float32), not {problem.dtype}"
     return None
 
 
-EXPLICIT_GEMM_CSR = register(Backend(name="explicit_gemm_csr", ops=frozenset(SCATTERING), run=run,
+EXPLICIT_GEMM_CSR = register(Backend(name="explicit_gemm_csr", ops=frozenset(SCATTERING), run=in_product_dtype(run),
                                      supports=_supports, pool=_pool))

@@ -29,7 +29,7 @@ import torch
 from ..coords.kernel_map import KernelMap
 from ..precision import accumulator_dtype
 from .problem import NAMESPACES, ConvProblem
-from .registry import Backend, always_deterministic, register
+from .registry import Backend, always_deterministic, in_product_dtype, register
 from .row_buckets import bucketed_index, padded_mm, padded_reduction
 
 
@@ -116,5 +116,5 @@ def run(
     return _PRODUCTS[namespace](a, b, kernel_map)
 
 
-EXPLICIT_GEMM = register(Backend(name="explicit_gemm", ops=frozenset(NAMESPACES), run=run,
+EXPLICIT_GEMM = register(Backend(name="explicit_gemm", ops=frozenset(NAMESPACES), run=in_product_dtype(run),
                                  deterministic=always_deterministic))

@@ -20,7 +20,7 @@ import torch
 from ..coords.kernel_map import KernelMap
 from ..precision import accumulator_dtype
 from .problem import NAMESPACES, ConvProblem
-from .registry import Backend, register
+from .registry import Backend, in_product_dtype, register
 from .row_buckets import row_step
 
 WASTE_SPACE = (0.25, 0.0, 0.1, 0.5, 1.0)  # the first is the default of a single-name pin
@@ -168,7 +168,7 @@ EXPLICIT_GEMM_GROUPED = register(
     Backend(
         name="explicit_gemm_grouped",
         ops=frozenset(NAMESPACES),
-        run=run,
+        run=in_product_dtype(run),
         params_space=tuple({"max_waste": w} for w in WASTE_SPACE),
         pool=pool,
         heuristic=heuristic,

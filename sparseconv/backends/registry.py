@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..coords.kernel_map import KernelMap
+from ..precision import product_dtype
 from .problem import NAMESPACES, ConvProblem
 
 RunFn = Callable[[str, ConvProblem, Mapping, torch.Tensor, torch.Tensor, KernelMap], torch.Tensor]
@@ -95,6 +96,22 @@ class Backend:
 
 
 _BACKENDS: dict[str, Backend] = {}
+
+
+def in_product_dtype(run: RunFn) -> RunFn:
+    """``run`` with operands in the dtype a product on their device multiplies in (:func:`~sparseconv.precision.
+    product_dtype`: float16 on a CPU in float32), its result cast back to theirs: for the torch backends, whose
+    products are torch's GEMMs."""
+
+    @functools.wraps(run)
+    def run_in_product_dtype(namespace: str, problem: ConvProblem, params: Mapping, a: torch.Tensor,
+                             b: torch.Tensor, kernel_map: KernelMap) -> torch.Tensor:
+        wide = product_dtype(a.dtype, a.device)
+        if wide == a.dtype:
+            return run(namespace, problem, params, a, b, kernel_map)
+        return run(namespace, problem, params, a.to(wide), b.to(wide), kernel_map).to(a.dtype)
+
+    return run_in_product_dtype
 
 
 def register(backend: Backend) -> Backend:

@@ -24,7 +24,7 @@ from ..coords.kernel_map import KernelMap
 from ..precision import accumulator_dtype
 from .grouped import WORKSPACE_BYTES, with_zero_row
 from .problem import NAMESPACES, ConvProblem
-from .registry import Backend, always_deterministic, register
+from .registry import Backend, always_deterministic, in_product_dtype, register
 from .row_buckets import padded_mm, padded_reduction
 
 
@@ -103,5 +103,6 @@ def pool(problem: ConvProblem, level: str) -> list[Mapping]:
     return [{}] if level == "all" and problem.device.type == "cuda" else []
 
 
-EXPLICIT_GEMM_TABLE = register(Backend(name="explicit_gemm_table", ops=frozenset(NAMESPACES), run=run, pool=pool,
+EXPLICIT_GEMM_TABLE = register(Backend(name="explicit_gemm_table", ops=frozenset(NAMESPACES), run=in_product_dtype(run),
+                                       pool=pool,
                                        deterministic=always_deterministic))

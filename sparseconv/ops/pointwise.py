@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.row_buckets import padded_mm, padded_reduction
+from ..precision import product_dtype
 
 
 def pointwise(feats: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None = None,
@@ -14,8 +15,13 @@ def pointwise(feats: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | No
     """``feats @ matrix (+ bias)``: feats (N, C_in), matrix (C_in, C_out), bias (C_out,) or None, one dtype and
     device; (N, C_out). With ``padded`` (default: on CUDA) the products run on rows padded to bucketed shapes
     (:func:`~sparseconv.backends.row_buckets.padded_mm`), forward and backward; else torch's mm / addmm as they
-    are (a CPU's BLAS has no per-shape host cost to save)."""
+    are (a CPU's BLAS has no per-shape host cost to save), float16 on a CPU multiplied in float32
+    (:func:`~sparseconv.precision.product_dtype`)."""
     if not (feats.is_cuda if padded is None else padded):
+        wide = product_dtype(feats.dtype, feats.device)
+        if wide != feats.dtype:  # (autograd through the casts: backward multiplies in it too)
+            return pointwise(feats.to(wide), matrix.to(wide), None if bias is None else bias.to(wide), False).to(
+                feats.dtype)
         return torch.mm(feats, matrix) if bias is None else torch.addmm(bias, feats, matrix)
     return _Pointwise.apply(feats, matrix, bias)
 

@@ -152,3 +152,38 @@ def test_pins_route_each_product_to_the_named_backend():
         assert sorted(calls) == ["ABt_gather_scatter", "AtB_gather_gather"]
     finally:
         unregister("recording_fake")
+
+
+@pytest.mark.parametrize(("backend", "dtype"), [
+    *((name, dtype) for name in ("explicit_gemm", "explicit_gemm_grouped", "explicit_gemm_table", "matmul")
+      for dtype in (torch.float16, torch.bfloat16)),
+    ("explicit_gemm_csr", torch.float16),  # (torch's CPU sparse product takes no bfloat16)
+], ids=str)
+def test_a_cpus_float16_products_multiply_in_float32_and_bfloat16_in_its_own(backend, dtype, monkeypatch):
+    # torch's CPU float16 GEMM has no fast kernel on x86 without AVX512-FP16 (precision.product_dtype: a MinkUNet
+    # training step took 10-17 s in float16 against ~1 s in float32); its bfloat16 GEMM is fast. (explicit_gemm's
+    # wgrad multiplies half operands in float32 anyway: its long reductions.)
+    multiplied = set()
+    for name in ("mm", "bmm", "addmm"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, real=real, **kwargs: multiplied.add(args[-1].dtype)
+                            or real(*args, **kwargs))
+    pointwise = backend == "matmul"  # a 1x1x1 conv's one product (ops.pointwise)
+    x64 = make_input(MODES[0 if pointwise else 1], 8, "cpu", n=300)
+    weight64 = torch.randn(1 if pointwise else 27, 8, 16, dtype=torch.float64)
+    pins = {} if pointwise else dict(fwd_algo=backend, dgrad_algo=backend,
+                                     wgrad_algo="explicit_gemm" if backend == "explicit_gemm_csr" else backend)
+    feats = x64.feats.to(dtype).requires_grad_()
+    weight = weight64.to(dtype).requires_grad_()
+    kernel_size = 1 if pointwise else 3
+    out = sparse_conv3d(x64.replace(feats), weight, kernel_size=kernel_size, **pins)
+    probe = torch.randn_like(out.feats)
+    out.feats.backward(probe)
+    assert torch.float16 not in multiplied and (dtype == torch.float16 or dtype in multiplied), multiplied
+    assert out.feats.dtype == feats.grad.dtype == weight.grad.dtype == dtype
+    # The same conv in float64 from the rounded operands: only the final rounding to the dtype differs.
+    feats_ref, weight_ref = feats.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = sparse_conv3d(x64.replace(feats_ref), weight_ref, kernel_size=kernel_size)
+    ref.feats.backward(probe.double())
+    for got, want in ((out.feats, ref.feats), (feats.grad, feats_ref.grad), (weight.grad, weight_ref.grad)):
+        assert relative_error(got, want.detach()) < TOLERANCE[dtype]

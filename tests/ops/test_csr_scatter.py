@@ -21,12 +21,13 @@ def test_every_mode_equals_the_dense_reference_with_every_product_pinned_to_it(m
     assert_conv_matches_reference(conv, x)
 
 
-def test_it_runs_on_the_cpu_in_float32_and_float64_only():
+def test_it_runs_on_the_cpu_in_float32_and_float64_and_float16_multiplied_in_float32_only():
     backend = registry.get(NAME)
     base = dict(in_channels=8, out_channels=8, kernel_size=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
                 transposed=False, generative=False, num_in=100, num_out=100)
-    assert backend.supports(ConvProblem(**base, dtype=torch.float32, device=torch.device("cpu"))) is None
-    assert "float16" in backend.supports(ConvProblem(**base, dtype=torch.float16, device=torch.device("cpu")))
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        assert backend.supports(ConvProblem(**base, dtype=dtype, device=torch.device("cpu"))) is None
+    assert "bfloat16" in backend.supports(ConvProblem(**base, dtype=torch.bfloat16, device=torch.device("cpu")))
     assert "CPU" in backend.supports(ConvProblem(**base, dtype=torch.float32, device=torch.device("cuda")))
 
 
