@@ -104,5 +104,4 @@ def pool(problem: ConvProblem, level: str) -> list[Mapping]:
 
 
 EXPLICIT_GEMM_TABLE = register(Backend(name="explicit_gemm_table", ops=frozenset(NAMESPACES), run=in_product_dtype(run),
-                                       pool=pool,
-                                       deterministic=always_deterministic))
+                                       pool=pool, deterministic=always_deterministic))
