@@ -1,3 +1,4 @@
+import functools
 import importlib.util
 import os
 import secrets
@@ -45,6 +46,31 @@ def isolated_tuner(tmp_path, monkeypatch):
     sparseconv.tune.reset()
     yield
     sparseconv.tune.reset()
+
+
+@pytest.fixture(autouse=True)
+def whole_sweeps(monkeypatch):
+    """The tuner of a test times a key's sweep in the call that meets it, with a second of timing at once (as before
+    sweeps were spread over calls): the tests of what it decides see the decision in one call. tests/tune/
+    test_spread.py checks the process's defaults (a few candidates a call); a test that builds a TimingBudget
+    itself gets those defaults."""
+    from sparseconv.tune import budget, tuner
+
+    monkeypatch.setattr(tuner, "TimingBudget", functools.partial(budget.TimingBudget, burst=1.0, per_call=None))
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The tuner's timer on a virtual clock (tests/tune/fakes.py: VirtualClock), which the fakes of the tuner's tests
+    advance: their costs are exact. (Real sleeps 4 ms apart were not: on a busy 2-core CI machine a slower level
+    was now and then timed the faster.)"""
+    from fakes import VirtualClock
+
+    from sparseconv.tune import timing
+
+    virtual = VirtualClock()
+    monkeypatch.setattr(timing, "clock", virtual)
+    return virtual
 
 
 @pytest.fixture(autouse=True)

@@ -85,21 +85,29 @@ def populate(rows: list[int], channels: list[int], kernels: list[str], dtype: to
 def _populate_grid(grid: list[tuple[int, int, str]], dtype: torch.dtype, dev: torch.device, position: int = 0) -> None:
     from tqdm import tqdm
 
+    from ..tune import get_tuner
+
+    description = "sparseconv cache populate" + (f" {dev}" if position else "")
+    with get_tuner().budget.waived():  # tuning ahead: every key timed in full now
+        for n, c, kernel in tqdm(grid, desc=description, unit="problem", position=position):
+            _populate_one(n, c, kernel, dtype, dev)
+
+
+def _populate_one(n: int, c: int, kernel: str, dtype: torch.dtype, dev: torch.device) -> None:
+    """One forward and backward of a ``kernel`` conv of ``c`` channels on about ``n`` random voxels."""
     from ..nn import SparseConv3d
     from ..tensor import SparseTensor
 
-    description = "sparseconv cache populate" + (f" {dev}" if position else "")
-    for n, c, kernel in tqdm(grid, desc=description, unit="problem", position=position):
-        size, _, stride = kernel.partition("s")
-        # A surface-like density (about a third of each voxel's 26 neighbours occupied), the
-        # regime of voxelised scans, so the tuned keys are the ones real layers hit.
-        side = max(4, round((n * 3) ** 0.5))
-        xyz = torch.randint(0, side, (n, 2), device=dev)
-        coords = torch.cat([torch.zeros(n, 1, dtype=torch.long, device=dev), xyz,
-                            torch.randint(0, 3, (n, 1), device=dev)], dim=1).unique(dim=0)
-        x = SparseTensor(coords, torch.randn(len(coords), c, device=dev, dtype=dtype).requires_grad_())
-        layer = SparseConv3d(c, c, int(size), int(stride or 1), bias=False, device=dev, dtype=dtype)
-        layer(x).feats.sum().backward()
+    size, _, stride = kernel.partition("s")
+    # A surface-like density (about a third of each voxel's 26 neighbours occupied), the
+    # regime of voxelised scans, so the tuned keys are the ones real layers hit.
+    side = max(4, round((n * 3) ** 0.5))
+    xyz = torch.randint(0, side, (n, 2), device=dev)
+    coords = torch.cat([torch.zeros(n, 1, dtype=torch.long, device=dev), xyz,
+                        torch.randint(0, 3, (n, 1), device=dev)], dim=1).unique(dim=0)
+    x = SparseTensor(coords, torch.randn(len(coords), c, device=dev, dtype=dtype).requires_grad_())
+    layer = SparseConv3d(c, c, int(size), int(stride or 1), bias=False, device=dev, dtype=dtype)
+    layer(x).feats.sum().backward()
 
 
 def cuda_devices(gpus: str) -> list[str]:

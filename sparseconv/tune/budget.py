@@ -7,7 +7,8 @@ those keys made half of the passes on unseen street clouds several times slower 
 steady state (H200, 2026-11-28). A token bucket bounds that cost: timing may run while the
 bucket holds time; it refills at :data:`SHARE` seconds per second of wall time, up to
 :data:`BURST_S`. A key met while the bucket is empty runs the cost model's pick untimed and is
-timed by a later call once the bucket has refilled (:meth:`Tuner.run`'s stand-ins).
+timed by a later call once the bucket has refilled (:meth:`Tuner.run`'s stand-ins), and a call
+times at most :data:`PER_CALL` candidates, so that no one pass pays for a whole sweep.
 """
 
 from __future__ import annotations
@@ -19,16 +20,22 @@ from collections.abc import Callable, Iterator
 
 SHARE = 0.1
 """Share of wall time the tuner may spend timing inside calls, over any long stretch of calls."""
-BURST_S = 1.0
-"""Timing a process may do at once (its first calls, or after a quiet spell), in seconds."""
+BURST_S = 0.02
+"""Timing a process may do at once (its first calls, or after a quiet spell), in seconds: a few candidates. With a
+second's burst, the passes that met a street scene's new keys on unseen clouds took 171, 370, 46, 90 and 525 ms
+against 16-21 ms once they were timed (H200, 2026-12-01): the burst was spent in one or two passes."""
+PER_CALL = 1
+"""Candidates a call may time: a key's sweep is spread over its calls, the best candidate timed so far running
+in the others (timing one GPU candidate takes ~2-5 ms: its warm-up, ~20 samples, each synchronised)."""
 
 
 class TimingBudget:
     """A token bucket of timing seconds (see the module docstring); thread-safe."""
 
-    def __init__(self, share: float = SHARE, burst: float = BURST_S,
+    def __init__(self, share: float = SHARE, burst: float = BURST_S, per_call: int | None = PER_CALL,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.share, self.burst = share, burst
+        """``per_call``: candidates a call may time (None: a key's whole sweep in the call that meets it)."""
+        self.share, self.burst, self.per_call = share, burst, per_call
         self.spent_s = 0.0
         """Seconds of timing charged so far (every sweep's, whether it ran over budget or not)."""
         self._clock = clock

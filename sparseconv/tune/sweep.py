@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,11 +28,14 @@ logger = logging.getLogger("sparseconv.tune")
 
 def compile_and_sweep(namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map,
                       cache: TuneCache, reported: set[str],
-                      store: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
-    """Compile the candidates' kernels in parallel, then time those that compiled (:func:`sweep`)."""
+                      store: Callable[[dict[str, dict]], None] | None = None,
+                      compile_too: Sequence[Candidate] = ()) -> dict[str, dict]:
+    """Compile the candidates' kernels in parallel (with those of ``compile_too``, timed by later calls), then
+    time those that compiled (:func:`sweep`). Returns their records and the failed compiles' of both."""
+    later = [c for c in compile_too if c not in candidates]
     # Compilers print (Triton's reproducer on a failure): nothing of it reaches the terminal.
     with faults.captured_output() as captured:
-        failed = precompile(namespace, problem, candidates, kernel_map)
+        failed = precompile(namespace, problem, [*candidates, *later], kernel_map)
     if captured.text:
         logger.debug("sparseconv: compiler output while precompiling for %s:\n%s", namespace, captured.text)
     compiled = [c for c in candidates if c.id not in failed]

@@ -60,6 +60,8 @@ class Tuner:
         self.budget = budget or TimingBudget()
         # memo -> (the model's pick, run until the key is timed; whether its kernels are loaded)
         self._stand_ins: dict[tuple, tuple[Candidate, bool]] = {}
+        # memo -> the candidates this process timed for it in earlier calls, while its sweep is spread over calls
+        self._sweeps: dict[tuple, list[Candidate]] = {}
 
     @property
     def cache(self) -> TuneCache:
@@ -268,7 +270,7 @@ class Tuner:
             return pool[0], True  # one candidate (the reference alone, or a listed backend's one set): nothing to time
         encoded = key.encode()
         evidence = Evidence.read(self.cache, namespace, encoded)
-        missing = self._to_time(namespace, key, pool, effort, evidence)
+        missing = self._to_time(namespace, key, pool, effort, evidence, memo in self._sweeps)
         fresh: list[Candidate] = []
         started = time.perf_counter()
         if missing:
@@ -279,11 +281,19 @@ class Tuner:
             if elsewhere is not None:
                 return elsewhere
             refuse_tuning_in_trace(namespace, encoded, a)
-            fresh = self._sweep(namespace, key, problem, pool, missing, effort, evidence, a, b, kernel_map, memo)
-            if fresh is None:
+            sliced = self._slices(effort, key)
+            swept = self._sweep(namespace, key, problem, pool, missing, effort, evidence, a, b, kernel_map, memo,
+                                self.budget.per_call if sliced else None)
+            if swept is None:
                 # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
                 # claim stays ours: other ranks run the pool's first until the choice is published.
                 return _Provisional(self._loaded_stand_in(memo) or meanwhile(problem)), True
+            fresh = swept
+            if sliced and fresh:
+                # The rest of the sweep (and the re-timing of close finishers) waits for later calls.
+                self.budget.spend(time.perf_counter() - started)
+                return self._sweep_goes_on(memo, problem, pool, evidence, fresh)
+        fresh = [*self._sweeps.pop(memo, ()), *fresh]
         choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
         timed_s = time.perf_counter() - started
         choice = _adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
@@ -296,13 +306,32 @@ class Tuner:
         # before (this process compiled the ones it timed just now).
         return choice, choice in fresh or not evidence.passed(choice)
 
-    def _to_time(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence
-                 ) -> list[Candidate]:
-        """The candidates of ``pool`` to time for this key (none under effort ``none``)."""
+    def _slices(self, effort: str, key: TuneKey) -> bool:
+        """Whether a sweep of this key is spread over calls (:attr:`TimingBudget.per_call` candidates a call): under
+        effort quick, outside :meth:`TimingBudget.waived` (a moment chosen to tune) and deterministic mode (where
+        what ran would depend on how often a layer is called)."""
+        return effort == "quick" and not key.deterministic and not self.budget.waiving and self.budget.per_call
+
+    def _sweep_goes_on(self, memo: tuple, problem: ConvProblem, pool: list[Candidate], evidence: Evidence,
+                       fresh: list[Candidate]) -> tuple[_Provisional, bool]:
+        """What a key whose sweep goes on in later calls runs meanwhile: the best candidate that passed so far (it
+        ran in this process if timed here), else its loaded stand-in, else what needs no compile."""
+        timed = self._sweeps[memo] = [*self._sweeps.get(memo, ()), *fresh]
+        passing = evidence.passing(pool)
+        if not passing:
+            return _Provisional(self._loaded_stand_in(memo) or meanwhile(problem)), True
+        best = evidence.best(passing)
+        self._stand_ins[memo] = (best, best in timed)
+        return _Provisional(best), best in timed
+
+    def _to_time(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence,
+                 sweeping: bool = False) -> list[Candidate]:
+        """The candidates of ``pool`` to time for this key (none under effort ``none``); ``sweeping``: this
+        process's sweep of the key goes on (its timings so far are not a recorded decision)."""
         if effort == "none":
             return []
         missing = evidence.untimed(pool)
-        if missing and not evidence.stale(missing) and effort == "quick" and evidence.any_passed(pool):
+        if missing and not sweeping and not evidence.stale(missing) and effort == "quick" and evidence.any_passed(pool):
             # A recorded decision (this cache's or the shipped one's) stands under quick while its
             # backends are unchanged: only candidates the cost model knows nothing of are timed,
             # not the picks of a model refitted on more data since.
@@ -368,22 +397,27 @@ class Tuner:
 
     def _sweep(self, namespace: str, key: TuneKey, problem: ConvProblem, pool: list[Candidate],
                missing: list[Candidate], effort: str, evidence: Evidence, a: torch.Tensor, b: torch.Tensor,
-               kernel_map: KernelMap, memo: tuple) -> list[Candidate] | None:
+               kernel_map: KernelMap, memo: tuple, limit: int | None = None) -> list[Candidate] | None:
         """Time ``missing`` into ``evidence``: the cost model's top picks first (effort quick), the rest only
-        if none of them passed. Returns the candidates timed, or None where a round's kernels compile in
-        the background first (:meth:`ChoiceCompiles.defer`)."""
+        if none of them passed; at most ``limit`` candidates (None: all). Returns the candidates timed (none: none
+        was left), or None where a round's kernels compile in the background first (:meth:`ChoiceCompiles.defer`)."""
         encoded, fresh = key.encode(), []
         passed = lambda: evidence.any_passed(pool)  # noqa: E731
         loaded = self._loaded_stand_in(memo) is not None
         for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
+            if limit is not None and len(fresh) >= limit:
+                break
             if (len(batch) <= SWEEP_IN_BACKGROUND or loaded) and self._compiles.defer(
                     memo, namespace, problem, batch, a, kernel_map, key.deterministic):
                 return None
+            taken = batch if limit is None else batch[:limit - len(fresh)]
             done = dict(evidence.timings)
             evidence.timings.update(compile_and_sweep(
-                namespace, problem, batch, a, b, kernel_map, self.cache, self._reported,
-                store=lambda results, done=done: self._store(namespace, encoded, {**done, **results})))
-            fresh += batch
+                namespace, problem, taken, a, b, kernel_map, self.cache, self._reported,
+                store=lambda results, done=done: self._store(namespace, encoded, {**done, **results}),
+                # a round's kernels compile together, in parallel, at its first slice
+                compile_too=() if memo in self._sweeps else batch))
+            fresh += taken
         return fresh
 
     def _winner(self, namespace: str, key: TuneKey, problem: ConvProblem, pool: list[Candidate], effort: str,

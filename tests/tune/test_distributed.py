@@ -127,7 +127,9 @@ def test_a_writer_killed_mid_write_leaves_a_cache_file_the_next_process_reads(tm
 def test_train_ddp_script_trains_two_gloo_ranks_that_agree_and_share_one_cache(tmp_path):
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-           "SPARSECONV_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+           "SPARSECONV_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           # every key met settles in its first call (in two steps a key's sweep spread over calls would not)
+           "SPARSECONV_AUTOTUNE_EFFORT": "full"}
     env.pop("TRITON_INTERPRET", None)  # interpreted Triton candidates would make the sweeps minutes long
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(root / "scripts" / "train_ddp.py"), "--device", "cpu", "--steps", "2", "--warmup-steps", "1",

@@ -18,7 +18,7 @@ from fakes import Calls, VirtualClock, registered
 import sparseconv.tune
 from sparseconv.ops import sparse_conv3d
 from sparseconv.backends import Backend, explicit
-from sparseconv.tune import prior, timing
+from sparseconv.tune import prior
 from sparseconv.tune.cache import TuneCache
 from sparseconv.tune.configs import Candidate
 from sparseconv.tune.key import TuneKey, device_identity
@@ -168,16 +168,6 @@ def test_quick_times_the_top_picks_and_unknown_candidates_then_the_rest_only_if_
 
 # ---------------------------------------------------------------- in the tuner -----------------
 
-@pytest.fixture
-def clock(monkeypatch) -> VirtualClock:
-    """The tuner's timer on a virtual clock, which :func:`_speeds`'s fakes advance: their costs are exact.
-    (Real sleeps 4 ms apart were not: on a busy 2-core CI machine a slower level was now and then timed
-    the faster.)"""
-    virtual = VirtualClock()
-    monkeypatch.setattr(timing, "clock", virtual)
-    return virtual
-
-
 def _speeds(calls: Calls, clock: VirtualClock, wrong: frozenset = frozenset(), **fields) -> Backend:
     """Six parameter sets whose calls cost 1, 5, ..., 21 ms on ``clock``; those in ``wrong`` return noise;
     ``fields``: more Backend fields."""
@@ -270,7 +260,7 @@ def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_ti
         assert sum(calls.counts.values()) == 2  # the two forwards: nothing timed
         assert all(len(e["timings"]) == 6 for _, _, e in tuner.cache.items(FWD))  # the seeded keys alone
         assert tuner.choices() == []  # not settled: a later call times it
-        tuner.budget = TimingBudget()  # refilled
+        tuner.budget = TimingBudget(burst=1.0, per_call=None)  # refilled, a sweep in one call
         record = _conv(fwd_algo=["fake_speeds"])
     timed = {i for i in range(6) if calls.of(f"fake_speeds[{i}]") > (2 if i == 4 else 0)}
     assert timed == {3, 4, 5}  # timed now: the model's top picks
@@ -301,7 +291,7 @@ def test_a_waiting_key_keeps_its_loaded_stand_in_while_its_sweep_compiles(monkey
         tuner = sparseconv.tune.get_tuner()
         tuner.budget = TimingBudget(share=0.0, burst=0.0)
         assert algorithm() == algorithm() == "fake_speeds[level=4]"  # the stand-in, loaded
-        tuner.budget = TimingBudget()
+        tuner.budget = TimingBudget(burst=1.0, per_call=None)
         # The budget allows a sweep, whose kernels compile in the background first (as on a GPU): the stand-in
         # runs meanwhile, not the reference, in the call that queued them and in those while they compile.
         with monkeypatch.context() as compiling:

@@ -1,0 +1,111 @@
+"""A key's sweep spread over its calls (the process's default budget): a call times at most one candidate, the
+best timed so far runs in the calls between, and the key settles on the winner once all are timed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conv_cases import MODES, make_input
+from fakes import Calls, VirtualClock, registered
+
+import sparseconv.tune
+from sparseconv.backends import Backend, explicit
+from sparseconv.ops import sparse_conv3d
+from sparseconv.tune import budget as budget_module
+from sparseconv.tune.budget import TimingBudget
+
+FWD = "AB_gather_scatter"
+COSTS_MS = (3.0, 1.0, 2.0, 4.0)  # fake_levels[level=1] is the fastest; level 2 returns noise when ``wrong``
+
+
+def _levels(calls: Calls, clock: VirtualClock, wrong: frozenset = frozenset()) -> Backend:
+    def run(namespace, problem, params, a, b, kernel_map):
+        calls.add(f"fake_levels[{params['level']}]", namespace)
+        clock.advance(1e-3 * COSTS_MS[params["level"]])
+        out = explicit.run(namespace, problem, params, a, b, kernel_map)
+        return torch.randn_like(out) if params["level"] in wrong else out
+
+    return Backend("fake_levels", frozenset({FWD}), run, params_space=tuple({"level": i} for i in range(4)))
+
+
+@pytest.fixture
+def layer():
+    """One conv layer on fixed inputs (one key): a call returns (the forward's candidate id, its output is right)."""
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
+    weight = torch.randn(27, 4, 5)
+    reference = sparse_conv3d(x, weight, fwd_algo="explicit_gemm").feats
+
+    def call() -> tuple[str, bool]:
+        record: dict = {}
+        out = sparse_conv3d(x, weight, record=record, fwd_algo=["fake_levels"]).feats
+        return record[FWD], torch.allclose(out, reference, rtol=1e-4, atol=1e-4)
+
+    return call
+
+
+def _timed() -> set[int]:
+    """The levels with a timing record in the cache (a candidate the guard rejected has one too)."""
+    entries = [e for _, _, e in sparseconv.tune.get_tuner().cache.items(FWD)]
+    return {int(cid[len("fake_levels[level="):-1]) for e in entries for cid in e["timings"]}
+
+
+def test_the_defaults_time_one_candidate_a_call_and_a_few_at_once():
+    assert budget_module.PER_CALL == 1 and TimingBudget().per_call == 1
+    assert 0.005 <= budget_module.BURST_S <= 0.05  # a few GPU candidates at once, not a second of them
+
+
+def test_a_new_keys_sweep_takes_one_candidate_a_call_running_the_best_so_far_then_settles(layer, clock):
+    calls = Calls()
+    with registered(_levels(calls, clock, wrong=frozenset({2}))):
+        tuner = sparseconv.tune.get_tuner()
+        tuner.budget = TimingBudget(burst=1e9)  # never spent: only the per-call limit spreads the sweep
+        seen = []
+        for _ in range(4):
+            seen.append((*layer(), len(_timed())))
+            assert tuner.choices() == []  # not settled while candidates are left
+        # One more candidate timed each call; the best that passed so far runs, and every output is right
+        # (level 2's noise was caught by the guard, never returned).
+        assert seen == [("fake_levels[level=0]", True, 1), ("fake_levels[level=1]", True, 2),
+                        ("fake_levels[level=1]", True, 3), ("fake_levels[level=1]", True, 4)]
+        entry = next(e for _, _, e in tuner.cache.items(FWD))
+        assert entry["timings"]["fake_levels[level=2]"]["verdict"] == "wrong"
+        assert len(entry["timings"]) == 4  # each timing stored as it came: a killed process keeps them
+        before = dict(calls.counts)
+        assert layer() == ("fake_levels[level=1]", True)  # nothing left: the winner settles
+        assert [c[2] for c in tuner.choices()] == ["fake_levels[level=1]"]
+        assert sum(calls.counts.values()) - sum(before.values()) == 1  # the run itself: no timing
+        assert layer() == ("fake_levels[level=1]", True)
+
+
+def test_a_spread_sweep_waits_while_the_budget_is_spent_running_its_best_so_far(layer, clock):
+    calls = Calls()
+    with registered(_levels(calls, clock)):
+        tuner = sparseconv.tune.get_tuner()
+        tuner.budget = TimingBudget(burst=1e9)
+        layer(), layer()
+        assert _timed() == {0, 1}
+        tuner.budget = TimingBudget(share=0.0, burst=0.0)  # spent, never refilled
+        before = sum(calls.counts.values())
+        assert [layer() for _ in range(3)] == [("fake_levels[level=1]", True)] * 3
+        assert sum(calls.counts.values()) - before == 3 and _timed() == {0, 1}  # untimed runs
+        tuner.budget = TimingBudget(burst=1e9)
+        layer(), layer(), layer()
+        assert _timed() == {0, 1, 2, 3} and [c[2] for c in tuner.choices()] == ["fake_levels[level=1]"]
+
+
+def test_warmup_and_effort_full_still_time_a_key_in_one_call(monkeypatch, layer, clock):
+    calls = Calls()
+    with registered(_levels(calls, clock)):
+        tuner = sparseconv.tune.get_tuner()
+        tuner.budget = TimingBudget(burst=1e9)
+        with tuner.budget.waived():
+            assert layer() == ("fake_levels[level=1]", True)
+        assert _timed() == {0, 1, 2, 3} and len(tuner.choices()) == 1
+    sparseconv.tune.reset()
+    calls = Calls()
+    monkeypatch.setenv("SPARSECONV_AUTOTUNE_EFFORT", "full")
+    monkeypatch.setenv("SPARSECONV_CACHE_DIR", str(tuner.cache.path.parent / "other"))
+    with registered(_levels(calls, clock)):
+        sparseconv.tune.get_tuner().budget = TimingBudget(burst=1e9)
+        assert layer() == ("fake_levels[level=1]", True)
+        assert _timed() == {0, 1, 2, 3}
