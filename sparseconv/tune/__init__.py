@@ -24,7 +24,8 @@ from .cache import TuneCache
 from .configs import Candidate, Config
 from .decorator import autotune
 from .key import TuneKey, make_key
-from .tuner import Progress, Tuner
+from .choice import Progress
+from .tuner import Tuner
 
 
 @functools.cache
@@ -59,7 +60,7 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
 def progress() -> Progress:
     """Where the process's tuning stands: products settled, running a pick untimed (timed by a later call),
     running the reference while their kernels compile in the background, and the seconds spent timing inside
-    calls (:class:`~sparseconv.tune.tuner.Progress`). Tuning never pauses a call for long; this says what is
+    calls (:class:`~sparseconv.tune.choice.Progress`). Tuning never pauses a call for long; this says what is
     still to come."""
     return get_tuner().progress()
 

@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -22,9 +21,10 @@ from ..coords.batch import MapUse
 from ..coords.kernel_map import KernelMap
 from ..backends import compiling, registry
 from ..backends.problem import ConvProblem, layer_problem
-from . import faults, prior
+from . import prior
 from .budget import TimingBudget
 from .cache import TuneCache
+from .choice import Progress, Provisional, adopt, current, execute
 from .configs import Candidate
 from .distributed import Ranks
 from .evidence import Evidence, cost, pick
@@ -99,13 +99,13 @@ class Tuner:
             out = self._run_prepared(memo, candidate, backend, a, b, kernel_map, use)
             if out is not None:
                 return out
-        return _execute(namespace, problem, candidate, backend, a, b, kernel_map)
+        return execute(namespace, problem, candidate, backend, a, b, kernel_map)
 
     def _run_held(self, use: MapUse, memo: tuple, a: torch.Tensor, b: torch.Tensor,
                   record: dict[str, str] | None) -> torch.Tensor | None:
         """The product by the call prepared in ``use`` under ``memo``, or None if there is none (or it failed)."""
         held = use.calls.get(memo)
-        if held is None or held[0] is not self or not _current(held[1]):
+        if held is None or held[0] is not self or not current(held[1]):
             return None
         if record is not None:
             record[memo[0]] = held[1][0].id
@@ -156,7 +156,7 @@ class Tuner:
         memo, mode, effort, key = self._memo(namespace, problem, pin, kernel_map, settings)
         deterministic = settings[1]
         choice = self._choices.get(memo)
-        if choice is None or not _current(choice):
+        if choice is None or not current(choice):
             loaded = self._loaded_stand_in(memo)
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
                 # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else what
@@ -168,14 +168,14 @@ class Tuner:
                 return loaded, registry.get(loaded.backend), False
             with self._lock:
                 choice = self._choices.get(memo)
-                if choice is None or not _current(choice):
+                if choice is None or not current(choice):
                     compiled = True  # a named backend compiles in its first call, as before
                     if mode.single:
                         candidate = candidate_pool(namespace, problem, mode, effort, deterministic)[0]
                     else:
                         candidate, compiled = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map,
                                                            memo)
-                    if isinstance(candidate, _Provisional):
+                    if isinstance(candidate, Provisional):
                         candidate = candidate.candidate
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
@@ -229,7 +229,7 @@ class Tuner:
                 return
             remembered, mode, _, _ = self._memo(namespace, problem, pin, kernel_map, settings)
             choice = self._choices.get(remembered)
-            if choice is None or not _current(choice):
+            if choice is None or not current(choice):
                 if not mode.single:
                     return  # undecided for this key: the layer's call tunes it, with its operands
                 # A named backend's choice (keyed by the layer) not made yet: made here as the call would (no timing).
@@ -262,7 +262,7 @@ class Tuner:
 
     def _decide(self, namespace: str, key: TuneKey, problem: ConvProblem, mode: AlgoMode, effort: str,
                 a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, memo: tuple = ()
-                ) -> tuple[Candidate | _Provisional, bool]:
+                ) -> tuple[Candidate | Provisional, bool]:
         """(the choice, whether its kernels must compile in the call: not both decided by an earlier
         passing timing on this device and left uncompiled by this call's sweep)."""
         pool = candidate_pool(namespace, problem, mode, effort, key.deterministic) or [Candidate(FALLBACK)]
@@ -276,7 +276,7 @@ class Tuner:
         if missing:
             stand_in = self._stand_in(namespace, key, pool, effort, evidence, a, memo)
             if stand_in is not None:
-                return _Provisional(stand_in), False  # its kernels may compile in the background meanwhile
+                return Provisional(stand_in), False  # its kernels may compile in the background meanwhile
             elsewhere = self._timed_elsewhere(namespace, encoded, problem, pool, a, key.deterministic)
             if elsewhere is not None:
                 return elsewhere
@@ -287,7 +287,7 @@ class Tuner:
             if swept is None:
                 # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
                 # claim stays ours: other ranks run the pool's first until the choice is published.
-                return _Provisional(self._loaded_stand_in(memo) or meanwhile(problem)), True
+                return Provisional(self._loaded_stand_in(memo) or meanwhile(problem)), True
             fresh = swept
             if sliced and fresh:
                 # The rest of the sweep (and the re-timing of close finishers) waits for later calls.
@@ -296,7 +296,7 @@ class Tuner:
         fresh = [*self._sweeps.pop(memo, ()), *fresh]
         choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
         timed_s = time.perf_counter() - started
-        choice = _adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
+        choice = adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
         if fresh:
             self.budget.spend(timed_s)
             self._stand_ins.pop(memo, None)
@@ -313,16 +313,16 @@ class Tuner:
         return effort == "quick" and not key.deterministic and not self.budget.waiving and self.budget.per_call
 
     def _sweep_goes_on(self, memo: tuple, problem: ConvProblem, pool: list[Candidate], evidence: Evidence,
-                       fresh: list[Candidate]) -> tuple[_Provisional, bool]:
+                       fresh: list[Candidate]) -> tuple[Provisional, bool]:
         """What a key whose sweep goes on in later calls runs meanwhile: the best candidate that passed so far (it
         ran in this process if timed here), else its loaded stand-in, else what needs no compile."""
         timed = self._sweeps[memo] = [*self._sweeps.get(memo, ()), *fresh]
         passing = evidence.passing(pool)
         if not passing:
-            return _Provisional(self._loaded_stand_in(memo) or meanwhile(problem)), True
+            return Provisional(self._loaded_stand_in(memo) or meanwhile(problem)), True
         best = evidence.best(passing)
         self._stand_ins[memo] = (best, best in timed)
-        return _Provisional(best), best in timed
+        return Provisional(best), best in timed
 
     def _to_time(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence,
                  sweeping: bool = False) -> list[Candidate]:
@@ -380,19 +380,19 @@ class Tuner:
         return held[0] if held is not None and held[1] else None
 
     def _timed_elsewhere(self, namespace: str, encoded: str, problem: ConvProblem, pool: list[Candidate],
-                         a: torch.Tensor, deterministic: bool) -> tuple[Candidate | _Provisional, bool] | None:
+                         a: torch.Tensor, deterministic: bool) -> tuple[Candidate | Provisional, bool] | None:
         """What runs if another rank times this key (:meth:`Ranks.claim`), else None (this process times it)."""
         other = self._ranks.claim(namespace, encoded)
         if other:
             # Another rank has published its choice: it passed there, so its kernels may compile in the
             # background (the reference runs meanwhile), as a cached choice's.
-            return _adopt(other, pool, pool[0]), False
+            return adopt(other, pool, pool[0]), False
         if other is not None:
             # Another rank is timing this key; never wait on it. Until it publishes: what needs no compile where
             # kernels compile in the background, else the pool's first. (The pool's first compiled in the
             # call on a GPU: a compile per key that a DDP step waited for, 74 s against 7.8 s for a first
             # MinkUNet step on one GPU, two H100s, 2026-11-25.)
-            return _Provisional(meanwhile(problem) if compiling.in_background(a, deterministic) else pool[0]), True
+            return Provisional(meanwhile(problem) if compiling.in_background(a, deterministic) else pool[0]), True
         return None
 
     def _sweep(self, namespace: str, key: TuneKey, problem: ConvProblem, pool: list[Candidate],
@@ -465,70 +465,3 @@ against 90) for over 40 s, while compiling in the call took 49 s and then ran tu
 the first minutes. With the cost model's picks the jobs are few and the wait short. Its picks alone
 (three) left the model's picks plus the four small-channel tiles the shipped tunings predate (seven) to
 compile in the call: one pass of a cold process took 8.9 s (H200, 2026-11-28)."""
-
-class Progress(NamedTuple):
-    """Where a process's tuning stands (:meth:`Tuner.progress`)."""
-
-    settled: int
-    """Tuned products (key, mode, effort) whose choice is made for the process."""
-    untimed: int
-    """Products running a pick untimed (the best their records passed, or the cost model's), to be timed by a
-    later call: keys whose records lack candidates, or met while the timing budget was spent."""
-    compiling: int
-    """Products running what needs no compile (:func:`meanwhile`; a map view torch's ops) while their kernels compile
-    in the background."""
-    timed_s: float
-    """Seconds the process has spent timing candidates inside its calls."""
-
-
-class _Provisional(NamedTuple):
-    """A candidate to run for now (another rank times the key, its sweep compiles, or the timing budget is spent):
-    not remembered, so a later call looks again."""
-
-    candidate: Candidate
-
-
-def _adopt(candidate_id: str, pool: list[Candidate], ours: Candidate) -> Candidate:
-    """The candidate of the job-wide ``candidate_id``, or ``ours`` if this process lacks it."""
-    if candidate_id == ours.id:
-        return ours
-    return next((c for c in pool if c.id == candidate_id), None) or _known(candidate_id) or ours
-
-
-def _known(candidate_id: str) -> Candidate | None:
-    """A candidate another rank chose, if this process has that backend too."""
-    name = candidate_id.split("[", 1)[0]
-    if name not in registry.names():
-        logger.warning("sparseconv: another rank chose %s, which this process lacks", candidate_id)
-        return None
-    if "[" not in candidate_id:
-        return Candidate(name)
-    for params in registry.get(name).params_space:
-        candidate = Candidate.of(name, params)
-        if candidate.id == candidate_id:
-            return candidate
-    return None
-
-
-def _current(choice: tuple[Candidate, registry.Backend]) -> bool:
-    """Whether a remembered choice's backend is still the registered one (tests swap fakes in and out)."""
-    candidate, backend = choice
-    try:
-        return registry.get(candidate.backend) is backend
-    except KeyError:
-        return False
-
-
-def _execute(
-    namespace: str, problem: ConvProblem, candidate: Candidate, backend: registry.Backend, a, b, kernel_map: KernelMap
-) -> torch.Tensor:
-    try:
-        return backend.run(namespace, problem, candidate.params_dict, a, b, kernel_map)
-    except Exception as error:  # noqa: BLE001 - a tuned choice that fails later (e.g. OOM) falls back
-        if candidate.backend == FALLBACK:
-            raise
-        broken = faults.probe(a.device)
-        if broken is not None:  # the fallback would fail too, with a message that says nothing
-            raise faults.poisoned(namespace, candidate.id, error, broken, recorded=False) from error
-        logger.warning("sparseconv: %s failed for %s (%s); running %s", candidate.id, namespace, error, FALLBACK)
-        return registry.get(FALLBACK).run(namespace, problem, {}, a, b, kernel_map)
