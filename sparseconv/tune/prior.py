@@ -16,6 +16,8 @@ milliseconds for a cache of thousands of timings.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
 import random
@@ -237,8 +239,25 @@ def model_of(cache: TuneCache, namespace: str, device: str | None = None) -> Cos
     # Per device too: each device's fit holds its own shipped entries.
     held = fitted.get((namespace, device))
     if held is None or _refit(held[0], len(entries), versions):
-        held = fitted[(namespace, device)] = ((len(entries), versions), CostModel.fit(entries, dict(versions)))
+        with _no_collections():
+            model = CostModel.fit(entries, dict(versions))
+        held = fitted[(namespace, device)] = ((len(entries), versions), model)
     return held[1]
+
+
+@contextlib.contextmanager
+def _no_collections() -> Iterator[None]:
+    """Python's cyclic collector off inside the block (as it was after it). A fit's rows (a tuple per timing,
+    ~20k shipped H200 timings) outlive the young generations while it runs and set off a full collection of the
+    process's heap: a refit inside a street1 inference on an unseen cloud took 359 ms, 271 of them in that
+    collection (H200, 2026-12-01). They are freed by reference counting once the fit returns."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _refit(fitted_on: tuple[int, tuple], entries: int, versions: tuple) -> bool:

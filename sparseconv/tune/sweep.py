@@ -29,13 +29,14 @@ logger = logging.getLogger("sparseconv.tune")
 def compile_and_sweep(namespace: str, problem: ConvProblem, candidates: list[Candidate], a, b, kernel_map,
                       cache: TuneCache, reported: set[str],
                       store: Callable[[dict[str, dict]], None] | None = None,
-                      compile_too: Sequence[Candidate] = ()) -> dict[str, dict]:
-    """Compile the candidates' kernels in parallel (with those of ``compile_too``, timed by later calls), then
-    time those that compiled (:func:`sweep`). Returns their records and the failed compiles' of both."""
+                      compile: bool = True, compile_too: Sequence[Candidate] = ()) -> dict[str, dict]:
+    """Compile the candidates' kernels in parallel (with those of ``compile_too``, timed by later calls; none if not
+    ``compile``: compiled elsewhere), then time those that compiled (:func:`sweep`). Returns their records and the
+    failed compiles' of both."""
     later = [c for c in compile_too if c not in candidates]
     # Compilers print (Triton's reproducer on a failure): nothing of it reaches the terminal.
     with faults.captured_output() as captured:
-        failed = precompile(namespace, problem, [*candidates, *later], kernel_map)
+        failed = precompile(namespace, problem, [*candidates, *later], kernel_map) if compile else {}
     if captured.text:
         logger.debug("sparseconv: compiler output while precompiling for %s:\n%s", namespace, captured.text)
     compiled = [c for c in candidates if c.id not in failed]

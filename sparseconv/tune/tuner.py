@@ -407,15 +407,18 @@ class Tuner:
         for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
             if limit is not None and len(fresh) >= limit:
                 break
-            if (len(batch) <= SWEEP_IN_BACKGROUND or loaded) and self._compiles.defer(
-                    memo, namespace, problem, batch, a, kernel_map, key.deterministic):
+            in_background = len(batch) <= SWEEP_IN_BACKGROUND or loaded
+            if in_background and self._compiles.defer(memo, namespace, problem, batch, a, kernel_map,
+                                                      key.deterministic):
                 return None
             taken = batch if limit is None else batch[:limit - len(fresh)]
             done = dict(evidence.timings)
             evidence.timings.update(compile_and_sweep(
                 namespace, problem, taken, a, b, kernel_map, self.cache, self._reported,
                 store=lambda results, done=done: self._store(namespace, encoded, {**done, **results}),
-                # a round's kernels compile together, in parallel, at its first slice
+                # Compiled in the background already (defer said so): the hooks again in the call cost a street
+                # pass's first slices 11-25 ms (H200). Else a round's kernels compile together at its first slice.
+                compile=not (in_background and compiling.in_background(a, key.deterministic)),
                 compile_too=() if memo in self._sweeps else batch))
             fresh += taken
         return fresh

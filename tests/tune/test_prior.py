@@ -151,6 +151,41 @@ def test_the_model_is_refitted_when_its_data_grew_by_a_share_not_at_every_new_ke
     assert len(fits) == 3
 
 
+def test_a_fit_inside_a_call_sets_off_no_collection_of_the_heap_and_leaves_the_collector_as_it_was(tmp_path,
+                                                                                                   monkeypatch):
+    import gc
+
+    cache = TuneCache(tmp_path / "c.msgpack")
+    for namespace, encoded, e in synthetic(300, seed=13):
+        cache.put(namespace, encoded, e)
+    key = TuneKey(FWD, 30, 30, 4, 64, 64, 27, "s1x1x1", "float16", DEVICE)
+    fitting, collections = [], []
+    fit = prior.CostModel.fit.__func__
+
+    def fit_watched(cls, *args, **kwargs):
+        fitting.append(1)
+        try:
+            return fit(cls, *args, **kwargs)
+        finally:
+            fitting.pop()
+
+    monkeypatch.setattr(prior.CostModel, "fit", classmethod(fit_watched))
+    collect = lambda phase, info: phase == "start" and fitting and collections.append(info["generation"])  # noqa: E731
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(collect)
+    try:
+        gc.set_threshold(50, 2, 2)  # a busy heap: a fit's rows would set off collections of every generation
+        assert prior.ranked(cache, FWD, key, [Candidate(c) for c in LAWS])[0].id in LAWS  # fitted here
+        assert collections == [] and gc.isenabled()
+        gc.disable()
+        prior.model_of(TuneCache(tmp_path / "d.msgpack"), FWD)
+        assert not gc.isenabled()  # a collector the application switched off stays off
+    finally:
+        gc.enable()
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(collect)
+
+
 def test_quick_times_the_top_picks_and_unknown_candidates_then_the_rest_only_if_none_passed(tmp_path):
     cache = TuneCache(tmp_path / "c.msgpack")
     for namespace, encoded, e in synthetic(40, seed=9):
