@@ -310,7 +310,7 @@ class Tuner:
         """Whether a sweep of this key is spread over calls (:attr:`TimingBudget.per_call` candidates a call): under
         effort quick, outside :meth:`TimingBudget.waived` (a moment chosen to tune) and deterministic mode (where
         what ran would depend on how often a layer is called)."""
-        return effort == "quick" and not key.deterministic and not self.budget.waiving and self.budget.per_call
+        return effort == "quick" and not key.deterministic and not self.budget.waiving and bool(self.budget.per_call)
 
     def _sweep_goes_on(self, memo: tuple, problem: ConvProblem, pool: list[Candidate], evidence: Evidence,
                        fresh: list[Candidate]) -> tuple[Provisional, bool]:
