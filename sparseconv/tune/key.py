@@ -11,6 +11,7 @@ run, so they are exact. The device identity keeps a cache file shared between ma
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import platform
@@ -85,6 +86,16 @@ class TuneKey:
     version: int = TUNER_VERSION
     deterministic: bool = False  # deterministic mode's pool: its own timings, winner and agreement
     lone: bool = False  # a map serving one product (ConvProblem.lone): timed with the views each candidate builds
+
+    @property
+    def family(self) -> TuneKey:
+        """This key but for its bucketed row counts and density: the one layer's keys on other batches' maps."""
+        return dataclasses.replace(self, num_in=0, num_out=0, density=0)
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """What :attr:`family` leaves out: (num_in, num_out, density) buckets."""
+        return self.num_in, self.num_out, self.density
 
     def encode(self) -> str:
         """Stable, human-readable string (the cache file's key)."""

@@ -62,6 +62,8 @@ class Tuner:
         self._stand_ins: dict[tuple, tuple[Candidate, bool]] = {}
         # memo -> the candidates this process timed for it in earlier calls, while its sweep is spread over calls
         self._sweeps: dict[tuple, list[Candidate]] = {}
+        # a settled memo's family (its key's TuneKey.family, its mode) -> {its key's sizes: the settled candidate}
+        self._settled: dict[tuple, dict[tuple[int, int, int], Candidate]] = {}
 
     @property
     def cache(self) -> TuneCache:
@@ -157,7 +159,7 @@ class Tuner:
         deterministic = settings[1]
         choice = self._choices.get(memo)
         if choice is None or not current(choice):
-            loaded = self._loaded_stand_in(memo)
+            loaded = self._loaded_stand_in(memo) or self._sibling_stand_in(memo, key, effort, problem)
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
                 # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else what
                 # needs no compile.
@@ -179,7 +181,7 @@ class Tuner:
                         candidate = candidate.candidate
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
-                            running = meanwhile(problem)
+                            running = self._loaded_stand_in(memo) or meanwhile(problem)
                             return running, registry.get(running.backend), False
                         if self._stand_ins.get(memo, (None,))[0] == candidate:
                             # The stand-in's kernels are loaded: the fast path above (not the reference a
@@ -188,9 +190,12 @@ class Tuner:
                         return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
-                        running = meanwhile(problem)
+                        running = self._loaded_stand_in(memo) or meanwhile(problem)
                         return running, registry.get(running.backend), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
+                    if key is not None:
+                        self._settled.setdefault((key.family, *memo[1:]), {})[key.sizes] = candidate
+                        self._stand_ins.pop(memo, None)
         return (*choice, True)
 
     @staticmethod
@@ -374,6 +379,28 @@ class Tuner:
             held = self._stand_ins[memo] = (choice, False)
         return held[0]
 
+    def _sibling_stand_in(self, memo: tuple, key: TuneKey | None, effort: str, problem: ConvProblem
+                          ) -> Candidate | None:
+        """A new key's stand-in from its family (the same layer's keys on other batches' maps, :attr:`TuneKey.family`):
+        the choice this process settled for the nearest of its keys in buckets, at most :data:`SIBLING_BUCKETS`
+        away, kept as ``memo``'s loaded stand-in; else None. Its kernels are loaded (they ran here) and need no
+        compile (none specialises on row counts), so a key an unseen point cloud brings runs at once what its
+        neighbour settled on, not the reference or explicit_gemm_table while the model's picks compile; its sweep
+        still runs, in later calls within the timing budget. None for a key with a stand-in already, under
+        effort full, in deterministic mode or inside :meth:`TimingBudget.waived` (as :meth:`_stand_in`)."""
+        if key is None or memo in self._stand_ins or effort != "quick" or key.deterministic or self.budget.waiving:
+            return None
+        siblings = self._settled.get((key.family, *memo[1:]))
+        if not siblings:
+            return None
+        here = key.sizes
+        distance, candidate = min(((sum(abs(x - y) for x, y in zip(sizes, here)), settled)
+                                   for sizes, settled in siblings.items()), key=lambda item: item[0])
+        if distance > SIBLING_BUCKETS or registry.get(candidate.backend).supports(problem) is not None:
+            return None
+        self._stand_ins[memo] = (candidate, True)
+        return candidate
+
     def _loaded_stand_in(self, memo: tuple) -> Candidate | None:
         """The stand-in of ``memo`` (:meth:`_stand_in`) if its kernels are loaded (it has run), else None."""
         held = self._stand_ins.get(memo)
@@ -457,6 +484,10 @@ class Tuner:
         }
         self.cache.put(namespace, encoded, entry)
 
+
+SIBLING_BUCKETS = 4
+"""How far (half-octave buckets of row counts and density, summed) a settled key of a new key's family may be for
+its choice to stand in (:meth:`Tuner._sibling_stand_in`): a layer twice as large, or half as full."""
 
 SWEEP_IN_BACKGROUND = prior.QUICK_TOP + 5
 """A sweep of at most this many candidates (the cost model's three picks and up to five it has no data

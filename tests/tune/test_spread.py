@@ -11,8 +11,10 @@ from fakes import Calls, VirtualClock, registered
 import sparseconv.tune
 from sparseconv.backends import Backend, explicit
 from sparseconv.ops import sparse_conv3d
+from sparseconv.tensor import SparseTensor
 from sparseconv.tune import budget as budget_module
 from sparseconv.tune.budget import TimingBudget
+from sparseconv.tune.key import TuneKey
 
 FWD = "AB_gather_scatter"
 COSTS_MS = (3.0, 1.0, 2.0, 4.0)  # fake_levels[level=1] is the fastest; level 2 returns noise when ``wrong``
@@ -109,3 +111,48 @@ def test_warmup_and_effort_full_still_time_a_key_in_one_call(monkeypatch, layer,
         sparseconv.tune.get_tuner().budget = TimingBudget(burst=1e9)
         assert layer() == ("fake_levels[level=1]", True)
         assert _timed() == {0, 1, 2, 3}
+
+
+def test_a_new_key_runs_what_its_nearest_settled_sibling_chose_untimed_then_sweeps(monkeypatch, clock):
+    """A key a new point cloud brings (the layer's rows in new buckets) runs at once the choice the same layer settled on
+    a map a few buckets away (loaded, nothing to compile), not the reference or a compile's wait; timed later within
+    the budget. A key far from every settled one is handled as before (here, with no cost model, timed at once)."""
+    from sparseconv.tune import prior
+
+    base = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=600)
+    kept = len(base) * 2 // 3  # a cloud of fewer voxels: its key a few buckets away (checked below)
+    near = SparseTensor(base.coords[:kept], base.feats[:kept])
+    far = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=40)
+    weight = torch.randn(27, 4, 5)
+
+    def call(x):
+        record: dict = {}
+        out = sparse_conv3d(x, weight, record=record, fwd_algo=["fake_levels"]).feats
+        return record[FWD], torch.allclose(out, sparse_conv3d(x, weight, fwd_algo="explicit_gemm").feats,
+                                           rtol=1e-4, atol=1e-4)
+
+    calls = Calls()
+    with registered(_levels(calls, clock)):
+        tuner = sparseconv.tune.get_tuner()
+        tuner.budget = TimingBudget(burst=1e9, per_call=None)
+        assert call(base) == ("fake_levels[level=1]", True) and len(tuner.choices()) == 1
+        (settled_key,) = [memo[0] for memo in tuner._choices if isinstance(memo[0], TuneKey)]
+        tuner.budget = TimingBudget(share=0.0, burst=0.0)  # spent, never refilled
+        monkeypatch.setattr(prior, "predicted", lambda *args, **kwargs: {})  # no cost model to pick from
+        timed = len(_timed_entries())
+        assert call(near) == ("fake_levels[level=1]", True)  # the sibling's winner, untimed
+        (near_key,) = [memo[0] for memo in tuner._stand_ins]
+        distance = sum(abs(x - y) for x, y in zip(near_key.sizes, settled_key.sizes))
+        assert near_key.family == settled_key.family and 0 < distance <= 4, (near_key, settled_key)
+        assert len(_timed_entries()) == timed  # nothing timed for it
+        call(far)  # 6+ buckets away: no sibling; with no model to pick from it is timed in the call
+        assert len(_timed_entries()) == timed + 1
+        tuner.budget = TimingBudget(burst=1e9)  # refilled: the near key's own sweep runs, one candidate a call
+        for _ in range(5):
+            assert call(near)[1]
+        assert len(tuner.choices()) == 2 and len(_timed_entries()) == timed + 2  # base's and near's (far's sweep goes on)
+        assert {key: choice for _, key, choice in tuner.choices()}[near_key.encode()] == "fake_levels[level=1]"
+
+
+def _timed_entries() -> list:
+    return [e for _, _, e in sparseconv.tune.get_tuner().cache.items(FWD)]
