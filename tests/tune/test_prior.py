@@ -80,6 +80,27 @@ def test_a_planted_log_linear_law_is_recovered_on_unseen_keys():
     assert ratio == pytest.approx(2.0 ** 0.3, rel=0.02)
 
 
+def test_a_refit_reads_only_the_entries_that_changed_and_fits_as_a_fresh_fit(monkeypatch):
+    rows = synthetic(120, seed=7, noise=0.02)
+    parsed, read = {}, []
+    entry_samples = prior._entry_samples
+    monkeypatch.setattr(prior, "_entry_samples", lambda *args: read.append(args[1]) or entry_samples(*args))
+    prior.CostModel.fit(rows, parsed=parsed)
+    assert len(read) == len(rows)
+    namespace, encoded, old = rows[5]
+    changed = {**old, "timings": {**old["timings"], "wide": {**old["timings"]["wide"], "ms": 1e3}}}
+    rows[5] = (namespace, encoded, changed)  # a new timing stored: a new entry object (TuneCache.put copies)
+    read.clear()
+    memoised = prior.CostModel.fit(rows, parsed=parsed)
+    assert read == [encoded]
+    fresh = prior.CostModel.fit(rows)
+    for _, key, _ in synthetic(20, seed=8, noise=0.0):
+        assert memoised.predict(FWD, key, list(LAWS)) == pytest.approx(fresh.predict(FWD, key, list(LAWS)), rel=1e-12)
+    read.clear()
+    prior.CostModel.fit(rows, versions={"wide": 99}, parsed=parsed)  # other versions: every entry read again
+    assert len(read) == len(rows)
+
+
 def test_host_time_bounds_the_predicted_cost():
     rows = synthetic(60, seed=3, noise=0.0)
     for _, _, e in rows:
