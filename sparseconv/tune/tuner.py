@@ -62,7 +62,8 @@ class Tuner:
         self._stand_ins: dict[tuple, tuple[Candidate, bool]] = {}
         # memo -> the candidates this process timed for it in earlier calls, while its sweep is spread over calls
         self._sweeps: dict[tuple, list[Candidate]] = {}
-        # a settled memo's family (its key's TuneKey.family, its mode) -> {its key's sizes: the settled candidate}
+        # a memo's family (its key's TuneKey.family, its mode) -> {its key's sizes: the candidate settled there on
+        # timings (this process's or the records'), not adopted}
         self._settled: dict[tuple, dict[tuple[int, int, int], Candidate]] = {}
 
     @property
@@ -159,6 +160,9 @@ class Tuner:
         deterministic = settings[1]
         choice = self._choices.get(memo)
         if choice is None or not current(choice):
+            adopted = self._adopted(namespace, memo, key, effort, problem)
+            if adopted is not None:
+                return (*adopted, True)
             loaded = self._loaded_stand_in(memo) or self._sibling_stand_in(memo, key, effort, problem)
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
                 # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else what
@@ -232,15 +236,20 @@ class Tuner:
             memo = (namespace, problem, pin, settings)
             if memo in use.calls:
                 return
-            remembered, mode, _, _ = self._memo(namespace, problem, pin, kernel_map, settings)
+            remembered, mode, effort, key = self._memo(namespace, problem, pin, kernel_map, settings)
             choice = self._choices.get(remembered)
             if choice is None or not current(choice):
                 if not mode.single:
-                    return  # undecided for this key: the layer's call tunes it, with its operands
-                # A named backend's choice (keyed by the layer) not made yet: made here as the call would (no timing).
-                *choice, settled = self._choose(namespace, problem, pin, None, None, kernel_map, settings)
-                if not settled:
-                    return
+                    # undecided for this key: adopted from a timed sibling, else the layer's call tunes it
+                    choice = self._adopted(namespace, remembered, key, effort, problem)
+                    if choice is None:
+                        return
+                else:
+                    # A named backend's choice (keyed by the layer) not made yet: made here as the call would (no
+                    # timing).
+                    *choice, settled = self._choose(namespace, problem, pin, None, None, kernel_map, settings)
+                    if not settled:
+                        return
             candidate, backend = choice
             if backend.prepare is not None:
                 call = backend.prepare(namespace, problem, candidate.params_dict, kernel_map)
@@ -379,6 +388,35 @@ class Tuner:
             held = self._stand_ins[memo] = (choice, False)
         return held[0]
 
+    def _adopted(self, namespace: str, memo: tuple, key: TuneKey | None, effort: str, problem: ConvProblem
+                 ) -> tuple[Candidate, registry.Backend] | None:
+        """A new key at most :data:`ADOPT_BUCKETS` from a key of its family settled on timings here, in each of its
+        row counts and its density: that key's choice, settled for this one untimed (a choice, not a stand-in: no
+        sweep follows); else None. Within a bucket sizes 1.4x apart share a winner already (:mod:`.key`), and the
+        next bucket's centre is that far: on unseen point clouds most new keys are one bucket from a timed one, and
+        timing them took ~6 ms of every street1 inference (H200). Adopted choices serve no further key (no chains
+        of adoptions), and are not written to the cache. None where the key has records of its own (the cache's or
+        the shipped tunings'), under effort full, in deterministic mode, inside :meth:`TimingBudget.waived`, or
+        while the key's own sweep goes on."""
+        if (key is None or effort != "quick" or key.deterministic or self.budget.waiving or memo in self._sweeps
+                or memo in self._stand_ins):
+            return None
+        siblings = self._settled.get((key.family, *memo[1:]))
+        if not siblings:
+            return None
+        here = key.sizes
+        gaps = {sizes: [abs(x - y) for x, y in zip(sizes, here)] for sizes in siblings}
+        nearest = min(gaps, key=lambda sizes: (max(gaps[sizes]), sum(gaps[sizes])))
+        if max(gaps[nearest]) > ADOPT_BUCKETS or self.cache.get(namespace, key.encode()) is not None:
+            return None
+        candidate = siblings[nearest]
+        backend = registry.get(candidate.backend)
+        if backend.supports(problem) is not None:
+            return None
+        with self._lock:
+            choice = self._choices[memo] = (candidate, backend)
+        return choice
+
     def _sibling_stand_in(self, memo: tuple, key: TuneKey | None, effort: str, problem: ConvProblem
                           ) -> Candidate | None:
         """A new key's stand-in from its family (the same layer's keys on other batches' maps, :attr:`TuneKey.family`):
@@ -484,6 +522,10 @@ class Tuner:
         }
         self.cache.put(namespace, encoded, entry)
 
+
+ADOPT_BUCKETS = 1
+"""How far (half-octave buckets, in each of the row counts and the density) a key timed here may be for a new key of
+its family to adopt its choice untimed (:meth:`Tuner._adopted`)."""
 
 SIBLING_BUCKETS = 4
 """How far (half-octave buckets of row counts and density, summed) a settled key of a new key's family may be for

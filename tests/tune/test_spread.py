@@ -3,6 +3,8 @@ best timed so far runs in the calls between, and the key settles on the winner o
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conv_cases import MODES, make_input
@@ -113,45 +115,77 @@ def test_warmup_and_effort_full_still_time_a_key_in_one_call(monkeypatch, layer,
         assert _timed() == {0, 1, 2, 3}
 
 
+def _block(x: int, y: int, z: int) -> SparseTensor:
+    """A full x*y*z block of voxels (batch 0), 4 random channels: its keys' row and density buckets are exact."""
+    grid = torch.cartesian_prod(torch.zeros(1, dtype=torch.int64), torch.arange(x), torch.arange(y), torch.arange(z))
+    return SparseTensor(grid.int(), torch.randn(len(grid), 4))
+
+
+def _key_call(weight: torch.Tensor):
+    def call(x: SparseTensor) -> tuple[str, bool]:
+        record: dict = {}
+        out = sparse_conv3d(x, weight, record=record, fwd_algo=["fake_levels"]).feats
+        return record[FWD], torch.allclose(out, sparse_conv3d(x, weight, fwd_algo="explicit_gemm").feats,
+                                           rtol=1e-4, atol=1e-4)
+    return call
+
+
+def _tuned_keys(memos) -> list[TuneKey]:
+    return [memo[0] for memo in memos if isinstance(memo[0], TuneKey)]
+
+
+@contextlib.contextmanager
+def _timed_layer(clock, base: SparseTensor):
+    """A layer under fake_levels, timed whole on ``base`` (level 1 wins): yields (tuner, call, calls, its key)."""
+    call, calls = _key_call(torch.randn(27, 4, 5)), Calls()
+    with registered(_levels(calls, clock)):
+        tuner = sparseconv.tune.get_tuner()
+        tuner.budget = TimingBudget(burst=1e9, per_call=None)
+        assert call(base) == ("fake_levels[level=1]", True) and len(tuner.choices()) == 1
+        (key,) = _tuned_keys(tuner._choices)
+        yield tuner, call, calls, key
+
+
 def test_a_new_key_runs_what_its_nearest_settled_sibling_chose_untimed_then_sweeps(monkeypatch, clock):
     """A key a new point cloud brings (the layer's rows in new buckets) runs at once the choice the same layer settled on
     a map a few buckets away (loaded, nothing to compile), not the reference or a compile's wait; timed later within
     the budget. A key far from every settled one is handled as before (here, with no cost model, timed at once)."""
     from sparseconv.tune import prior
 
-    base = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=600)
-    kept = len(base) * 2 // 3  # a cloud of fewer voxels: its key a few buckets away (checked below)
-    near = SparseTensor(base.coords[:kept], base.feats[:kept])
-    far = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=40)
-    weight = torch.randn(27, 4, 5)
-
-    def call(x):
-        record: dict = {}
-        out = sparse_conv3d(x, weight, record=record, fwd_algo=["fake_levels"]).feats
-        return record[FWD], torch.allclose(out, sparse_conv3d(x, weight, fwd_algo="explicit_gemm").feats,
-                                           rtol=1e-4, atol=1e-4)
-
-    calls = Calls()
-    with registered(_levels(calls, clock)):
-        tuner = sparseconv.tune.get_tuner()
-        tuner.budget = TimingBudget(burst=1e9, per_call=None)
-        assert call(base) == ("fake_levels[level=1]", True) and len(tuner.choices()) == 1
-        (settled_key,) = [memo[0] for memo in tuner._choices if isinstance(memo[0], TuneKey)]
+    near, far = _block(12, 12, 8), _block(4, 4, 2)  # 1152 and 32 voxels, against 512
+    with _timed_layer(clock, _block(8, 8, 8)) as (tuner, call, _, settled_key):
         tuner.budget = TimingBudget(share=0.0, burst=0.0)  # spent, never refilled
         monkeypatch.setattr(prior, "predicted", lambda *args, **kwargs: {})  # no cost model to pick from
         timed = len(_timed_entries())
         assert call(near) == ("fake_levels[level=1]", True)  # the sibling's winner, untimed
-        (near_key,) = [memo[0] for memo in tuner._stand_ins]
-        distance = sum(abs(x - y) for x, y in zip(near_key.sizes, settled_key.sizes))
-        assert near_key.family == settled_key.family and 0 < distance <= 4, (near_key, settled_key)
+        (near_key,) = _tuned_keys(tuner._stand_ins)
+        gaps = [abs(x - y) for x, y in zip(near_key.sizes, settled_key.sizes)]
+        assert near_key.family == settled_key.family and max(gaps) == 2 and sum(gaps) <= 4, (near_key, settled_key)
         assert len(_timed_entries()) == timed  # nothing timed for it
-        call(far)  # 6+ buckets away: no sibling; with no model to pick from it is timed in the call
+        call(far)  # 8 buckets away: no sibling; with no model to pick from it is timed in the call
         assert len(_timed_entries()) == timed + 1
         tuner.budget = TimingBudget(burst=1e9)  # refilled: the near key's own sweep runs, one candidate a call
         for _ in range(5):
             assert call(near)[1]
         assert len(tuner.choices()) == 2 and len(_timed_entries()) == timed + 2  # base's and near's (far's sweep goes on)
         assert {key: choice for _, key, choice in tuner.choices()}[near_key.encode()] == "fake_levels[level=1]"
+
+
+def test_a_new_key_one_bucket_from_a_timed_one_adopts_its_choice_and_is_never_timed(clock):
+    """Each of a new key's row counts and its density within one bucket of a key timed here: that key's choice, settled
+    at once, untimed even with the budget full, and not written to the cache; a key one bucket further from the adopted
+    one (two from the timed one) adopts nothing from it."""
+    next_bucket, two_away = _block(10, 8, 8), _block(12, 12, 8)  # 640 and 1152 voxels, against 512
+    with _timed_layer(clock, _block(8, 8, 8)) as (tuner, call, calls, timed_key):
+        entries, before = len(_timed_entries()), sum(calls.counts.values())
+        assert call(next_bucket) == ("fake_levels[level=1]", True)
+        assert sum(calls.counts.values()) - before == 1  # the run itself: nothing timed
+        adopted_key = next(k for k in _tuned_keys(tuner._choices) if k != timed_key)
+        gaps = [abs(x - y) for x, y in zip(adopted_key.sizes, timed_key.sizes)]
+        assert adopted_key.family == timed_key.family and max(gaps) == 1, (adopted_key, timed_key)
+        assert len(tuner.choices()) == 2 and len(_timed_entries()) == entries  # settled, no entry written
+        call(two_away)
+        assert len(_timed_entries()) == entries + 1  # timed: adopted choices serve no further key
 
 
 def _timed_entries() -> list:
