@@ -63,6 +63,7 @@ spconv cannot reuse a strided conv's map. ``--maps-only`` prints that table alon
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import os
@@ -75,10 +76,12 @@ import torch
 import sparseconv
 from sparseconv.cli.bench import (MODELS, SCENES, Runner, anchor_tensor, gpu_ms, import_anchor, one_call_ms,
                                   scene_coords, subm_maps, sync, timed, unseen_clouds)
-from sparseconv.cli.probes import OpSites, count_syncs, gpu_busy, sync_sites, warp_launches
+from sparseconv.cli.probes import OpSites, count_syncs, gpu_busy, phase_seconds, sync_sites, warp_launches
 from sparseconv.nn import SparseConv3d
 
 PEERS = ("spconv", "spconv_triton", "naive")
+PHASE_PASSES = 20
+"""Unseen clouds per pass kind whose phases ``--profile`` sums (new keys, refits and timings come now and then)."""
 
 
 def peak_gb(fn, device: torch.device, runner: Runner | None = None) -> float | str:
@@ -326,9 +329,11 @@ def map_build_ms(name: str, coords, device, repeats: int, layer: str) -> dict[st
 def profile_ours(scene: str, dtype, device, args) -> None:
     """Where ours spends host time: per pass kind (inference and training step, on unseen clouds and on
     kept coordinates), the torch ops each line of sparseconv issues (count, host ms), then the host
-    syncs by line, the GPU's busy share of a pass (:func:`~sparseconv.cli.probes.gpu_busy`) and a cProfile
-    (by own time and by cumulative time) of one inference and one training step on unseen clouds."""
-    clouds = iter(unseen_clouds(scene, 24, dtype, device, args.scale))
+    syncs by line, the GPU's busy share of a pass (:func:`~sparseconv.cli.probes.gpu_busy`), a cProfile
+    (by own time and by cumulative time) of one inference and one training step on unseen clouds, and the
+    calling thread's time in each of :data:`~sparseconv.cli.probes.PHASES` (the tuner's decisions and sweeps,
+    cost-model fits, map builds, ...) summed over PHASE_PASSES unseen clouds of each kind."""
+    clouds = iter(unseen_clouds(scene, 24 + 2 * PHASE_PASSES, dtype, device, args.scale))
     first = next(clouds)
     runner = Runner("ours", first.coords, dtype, device, model=args.model)
 
@@ -376,6 +381,17 @@ def profile_ours(scene: str, dtype, device, args) -> None:
             stats = pstats.Stats(profiler, stream=text)
             stats.sort_stats(order).print_stats(45)
             print(f"cProfile of one {label} pass ({stats.total_calls} Python calls), by {order}\n" + text.getvalue())
+    for label in ("infer unseen", "step unseen"):
+        walls, phases = [], collections.Counter()
+        for _ in range(PHASE_PASSES):
+            wall, seconds = phase_seconds(lambda: (passes[label](), sync(device)))
+            walls.append(wall)
+            phases.update(seconds)
+        print(f"\n{label}: the calling thread's ms a pass in each phase, over {PHASE_PASSES} unseen clouds (median pass "
+              f"{1e3 * statistics.median(walls):.1f} ms, mean {1e3 * statistics.mean(walls):.1f}; phases nest)")
+        for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
+            if seconds > 0:
+                print(f"  {1e3 * seconds / PHASE_PASSES:8.2f}  {phase}")
 
 
 def fmt(value) -> str:
@@ -394,7 +410,8 @@ def main() -> None:
                         help="the MinkUNet, or the detection backbone (SparseResNetBackbone with spconv's downsampling)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
-    parser.add_argument("--profile", action="store_true", help="profile ours first (torch ops by line, host syncs, cProfile), first scene and dtype")
+    parser.add_argument("--profile", action="store_true", help="profile ours first (torch ops by line, host syncs, cProfile, phases over unseen clouds), first "
+                             "scene and dtype")
     parser.add_argument("--no-maps", dest="maps", action="store_false", help="skip the map-build table")
     parser.add_argument("--maps-only", action="store_true", help="the map-build table alone (no network)")
     parser.add_argument("--no-interleave", dest="interleave", action="store_false",
