@@ -251,9 +251,11 @@ def _tuner_lines(report: dict) -> list[str]:
     lines.append(f"tuning cache: {tuner['cache']}")
     done = tuner.get("progress")
     if done:
-        lines.append(f"tuner at the end: {done['settled']} products tuned, {done['untimed']} running a pick untimed "
-                     f"(later calls time them), {done['compiling']} waiting for kernels compiling in the background; "
-                     f"{done['timed_s']:.1f} s spent timing inside the steps")
+        adopted = (f" ({done['adopted']} of them adopting a timed neighbouring size's choice)"
+                   if done.get("adopted") else "")
+        lines.append(f"tuner at the end: {done['settled']} products tuned{adopted}, {done['untimed']} running a pick "
+                     f"untimed (later calls time them), {done['compiling']} waiting for kernels compiling in the "
+                     f"background; {done['timed_s']:.1f} s spent timing inside the steps")
     return lines
 
 

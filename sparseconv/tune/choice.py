@@ -31,6 +31,9 @@ class Progress(NamedTuple):
     compile in the background."""
     timed_s: float
     """Seconds the process has spent timing candidates inside its calls."""
+    adopted: int = 0
+    """Of :attr:`settled`, the products whose key adopted, untimed, the choice of a key one bucket away that was timed
+    (:meth:`.tuner.Tuner._adopted`)."""
 
 
 class Provisional(NamedTuple):

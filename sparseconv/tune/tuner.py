@@ -65,6 +65,7 @@ class Tuner:
         # a memo's family (its key's TuneKey.family, its mode) -> {its key's sizes: the candidate settled there on
         # timings (this process's or the records'), not adopted}
         self._settled: dict[tuple, dict[tuple[int, int, int], Candidate]] = {}
+        self._adoptions = 0  # choices _adopted settled
 
     @property
     def cache(self) -> TuneCache:
@@ -272,7 +273,7 @@ class Tuner:
         with self._lock:
             settled = sum(1 for memo in self._choices if isinstance(memo[0], TuneKey))
             untimed = len(self._stand_ins)
-        return Progress(settled, untimed, self.compiling(), self.budget.spent_s)
+        return Progress(settled, untimed, self.compiling(), self.budget.spent_s, self._adoptions)
 
     def _decide(self, namespace: str, key: TuneKey, problem: ConvProblem, mode: AlgoMode, effort: str,
                 a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, memo: tuple = ()
@@ -415,6 +416,7 @@ class Tuner:
             return None
         with self._lock:
             choice = self._choices[memo] = (candidate, backend)
+            self._adoptions += 1
         return choice
 
     def _sibling_stand_in(self, memo: tuple, key: TuneKey | None, effort: str, problem: ConvProblem

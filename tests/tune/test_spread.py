@@ -147,8 +147,8 @@ def _timed_layer(clock, base: SparseTensor):
 
 
 def test_a_new_key_runs_what_its_nearest_settled_sibling_chose_untimed_then_sweeps(monkeypatch, clock):
-    """A key a new point cloud brings (the layer's rows in new buckets) runs at once the choice the same layer settled on
-    a map a few buckets away (loaded, nothing to compile), not the reference or a compile's wait; timed later within
+    """A key a new point cloud brings (the layer's rows in new buckets) runs at once the choice the same layer settled
+    on a map a few buckets away (loaded, nothing to compile), not the reference or a compile's wait; timed later within
     the budget. A key far from every settled one is handled as before (here, with no cost model, timed at once)."""
     from sparseconv.tune import prior
 
@@ -167,7 +167,8 @@ def test_a_new_key_runs_what_its_nearest_settled_sibling_chose_untimed_then_swee
         tuner.budget = TimingBudget(burst=1e9)  # refilled: the near key's own sweep runs, one candidate a call
         for _ in range(5):
             assert call(near)[1]
-        assert len(tuner.choices()) == 2 and len(_timed_entries()) == timed + 2  # base's and near's (far's sweep goes on)
+        # base's and near's (far's sweep goes on)
+        assert len(tuner.choices()) == 2 and len(_timed_entries()) == timed + 2
         assert {key: choice for _, key, choice in tuner.choices()}[near_key.encode()] == "fake_levels[level=1]"
 
 
@@ -184,6 +185,7 @@ def test_a_new_key_one_bucket_from_a_timed_one_adopts_its_choice_and_is_never_ti
         gaps = [abs(x - y) for x, y in zip(adopted_key.sizes, timed_key.sizes)]
         assert adopted_key.family == timed_key.family and max(gaps) == 1, (adopted_key, timed_key)
         assert len(tuner.choices()) == 2 and len(_timed_entries()) == entries  # settled, no entry written
+        assert sparseconv.tune.progress().adopted == 1
         call(two_away)
         assert len(_timed_entries()) == entries + 1  # timed: adopted choices serve no further key
 
