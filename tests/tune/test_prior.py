@@ -408,7 +408,7 @@ def test_where_kernels_compile_in_the_background_a_recorded_key_runs_its_best_at
         assert algorithm() == "fake_speeds[level=4]"
         assert queued == [("fake_speeds[level=4]",)] * 2 and sum(calls.counts.values()) == 1
         assert tuner.choices() == [] and tuner.budget.spent_s == 0
-        assert sparseconv.tune.progress() == (0, 1, 0, 0.0)  # one product running a pick untimed
+        assert sparseconv.tune.progress() == (0, 1, 0, 0.0, 0)  # one product running a pick untimed
         # A later call queues the candidate the records lack and runs the stand-in; once it compiled, a call
         # times it and settles the winner.
         assert algorithm() == "fake_speeds[level=4]"
