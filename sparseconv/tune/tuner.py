@@ -186,7 +186,7 @@ class Tuner:
                         candidate = candidate.candidate
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
-                            running = self._loaded_stand_in(memo) or meanwhile(problem)
+                            running = self._meanwhile(memo, problem)
                             return running, registry.get(running.backend), False
                         if self._stand_ins.get(memo, (None,))[0] == candidate:
                             # The stand-in's kernels are loaded: the fast path above (not the reference a
@@ -195,7 +195,7 @@ class Tuner:
                         return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
-                        running = self._loaded_stand_in(memo) or meanwhile(problem)
+                        running = self._meanwhile(memo, problem)
                         return running, registry.get(running.backend), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
                     if key is not None:
@@ -302,7 +302,7 @@ class Tuner:
             if swept is None:
                 # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
                 # claim stays ours: other ranks run the pool's first until the choice is published.
-                return Provisional(self._loaded_stand_in(memo) or meanwhile(problem)), True
+                return Provisional(self._meanwhile(memo, problem)), True
             fresh = swept
             if sliced and fresh:
                 # The rest of the sweep (and the re-timing of close finishers) waits for later calls.
@@ -334,7 +334,7 @@ class Tuner:
         timed = self._sweeps[memo] = [*self._sweeps.get(memo, ()), *fresh]
         passing = evidence.passing(pool)
         if not passing:
-            return Provisional(self._loaded_stand_in(memo) or meanwhile(problem)), True
+            return Provisional(self._meanwhile(memo, problem)), True
         best = evidence.best(passing)
         self._stand_ins[memo] = (best, best in timed)
         return Provisional(best), best in timed
@@ -440,6 +440,11 @@ class Tuner:
             return None
         self._stand_ins[memo] = (candidate, True)
         return candidate
+
+    def _meanwhile(self, memo: tuple, problem: ConvProblem) -> Candidate:
+        """What ``memo`` runs while its kernels compile or its sweep waits: its loaded stand-in, else what needs no
+        compile (:func:`.pools.meanwhile`)."""
+        return self._loaded_stand_in(memo) or meanwhile(problem)
 
     def _loaded_stand_in(self, memo: tuple) -> Candidate | None:
         """The stand-in of ``memo`` (:meth:`_stand_in`) if its kernels are loaded (it has run), else None."""
