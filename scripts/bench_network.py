@@ -410,8 +410,9 @@ def main() -> None:
                         help="the MinkUNet, or the detection backbone (SparseResNetBackbone with spconv's downsampling)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--scale", type=float, default=1.0, help="scene size multiplier")
-    parser.add_argument("--profile", action="store_true", help="profile ours first (torch ops by line, host syncs, cProfile, phases over unseen clouds), first "
-                             "scene and dtype")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile ours first (torch ops by line, host syncs, cProfile, phases over unseen clouds), "
+                             "first scene and dtype")
     parser.add_argument("--no-maps", dest="maps", action="store_false", help="skip the map-build table")
     parser.add_argument("--maps-only", action="store_true", help="the map-build table alone (no network)")
     parser.add_argument("--no-interleave", dest="interleave", action="store_false",

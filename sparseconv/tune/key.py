@@ -87,9 +87,10 @@ class TuneKey:
     deterministic: bool = False  # deterministic mode's pool: its own timings, winner and agreement
     lone: bool = False  # a map serving one product (ConvProblem.lone): timed with the views each candidate builds
 
-    @property
+    @functools.cached_property
     def family(self) -> TuneKey:
-        """This key but for its bucketed row counts and density: the one layer's keys on other batches' maps."""
+        """This key but for its bucketed row counts and density: the one layer's keys on other batches' maps (kept
+        with the key, which a map keeps: a new key's calls look its family up until it settles)."""
         return dataclasses.replace(self, num_in=0, num_out=0, density=0)
 
     @property

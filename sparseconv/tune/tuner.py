@@ -31,6 +31,7 @@ from .evidence import Evidence, cost, pick
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, meanwhile, resolve_mode
 from .precompile import ChoiceCompiles
+from .siblings import Siblings
 from .sweep import compile_and_sweep, log_sweep, refuse_tuning_in_trace, retime
 from .timing import CLOSE
 
@@ -62,9 +63,7 @@ class Tuner:
         self._stand_ins: dict[tuple, tuple[Candidate, bool]] = {}
         # memo -> the candidates this process timed for it in earlier calls, while its sweep is spread over calls
         self._sweeps: dict[tuple, list[Candidate]] = {}
-        # a memo's family (its key's TuneKey.family, its mode) -> {its key's sizes: the candidate settled there on
-        # timings (this process's or the records'), not adopted}
-        self._settled: dict[tuple, dict[tuple[int, int, int], Candidate]] = {}
+        self._siblings = Siblings()  # the choices settled on timings (not adopted), by family
         self._adoptions = 0  # choices _adopted settled
 
     @property
@@ -199,7 +198,7 @@ class Tuner:
                         return running, registry.get(running.backend), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
                     if key is not None:
-                        self._settled.setdefault((key.family, *memo[1:]), {})[key.sizes] = candidate
+                        self._siblings.record(memo, key, candidate)
                         self._stand_ins.pop(memo, None)
         return (*choice, True)
 
@@ -402,20 +401,11 @@ class Tuner:
         if (key is None or effort != "quick" or key.deterministic or self.budget.waiving or memo in self._sweeps
                 or memo in self._stand_ins):
             return None
-        siblings = self._settled.get((key.family, *memo[1:]))
-        if not siblings:
-            return None
-        here = key.sizes
-        gaps = {sizes: [abs(x - y) for x, y in zip(sizes, here)] for sizes in siblings}
-        nearest = min(gaps, key=lambda sizes: (max(gaps[sizes]), sum(gaps[sizes])))
-        if max(gaps[nearest]) > ADOPT_BUCKETS or self.cache.get(namespace, key.encode()) is not None:
-            return None
-        candidate = siblings[nearest]
-        backend = registry.get(candidate.backend)
-        if backend.supports(problem) is not None:
+        candidate = self._siblings.nearest(memo, key, problem, max, ADOPT_BUCKETS)
+        if candidate is None or self.cache.get(namespace, key.encode()) is not None:
             return None
         with self._lock:
-            choice = self._choices[memo] = (candidate, backend)
+            choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
             self._adoptions += 1
         return choice
 
@@ -430,15 +420,9 @@ class Tuner:
         effort full, in deterministic mode or inside :meth:`TimingBudget.waived` (as :meth:`_stand_in`)."""
         if key is None or memo in self._stand_ins or effort != "quick" or key.deterministic or self.budget.waiving:
             return None
-        siblings = self._settled.get((key.family, *memo[1:]))
-        if not siblings:
-            return None
-        here = key.sizes
-        distance, candidate = min(((sum(abs(x - y) for x, y in zip(sizes, here)), settled)
-                                   for sizes, settled in siblings.items()), key=lambda item: item[0])
-        if distance > SIBLING_BUCKETS or registry.get(candidate.backend).supports(problem) is not None:
-            return None
-        self._stand_ins[memo] = (candidate, True)
+        candidate = self._siblings.nearest(memo, key, problem, sum, SIBLING_BUCKETS)
+        if candidate is not None:
+            self._stand_ins[memo] = (candidate, True)
         return candidate
 
     def _meanwhile(self, memo: tuple, problem: ConvProblem) -> Candidate:
