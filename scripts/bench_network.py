@@ -76,7 +76,8 @@ import torch
 import sparseconv
 from sparseconv.cli.bench import (MODELS, SCENES, Runner, anchor_tensor, gpu_ms, import_anchor, one_call_ms,
                                   scene_coords, subm_maps, sync, timed, unseen_clouds)
-from sparseconv.cli.probes import OpSites, count_syncs, gpu_busy, phase_seconds, sync_sites, warp_launches
+from sparseconv.cli.probes import (OpSites, count_syncs, gpu_busy, phase_seconds, probed_round, sync_sites,
+                                   warp_launches)
 from sparseconv.nn import SparseConv3d
 
 PEERS = ("spconv", "spconv_triton", "naive")
@@ -219,6 +220,13 @@ def interleaved(scene: str, coords, dtype, device, libraries: list[str], rows: d
         for round_ in range(args.repeats if names else 0):
             feed()
             for library in names[round_ % len(names):] + names[: round_ % len(names)]:
+                if args.settle and library == "ours":
+                    sync(device)
+                    before = sparseconv.tune.progress()
+                    probed = probed_round(lambda: (getattr(runners[library], kind)(), sync(device)))
+                    times[library][kind].append(1e3 * probed["wall"])
+                    print_probed(scene, kind, round_, probed, before, sparseconv.tune.progress())
+                    continue
                 times[library][kind].append(one_call_ms(getattr(runners[library], kind), device))
         if args.verbose and names:
             print(f"{scene} {kind} rounds (ms): " + "; ".join(
@@ -239,6 +247,22 @@ def interleaved(scene: str, coords, dtype, device, libraries: list[str], rows: d
             f"capacities {b.capacities}: captured in {b.seconds:.2f} s, {b.memory_bytes / 2**30:.2f} GB reserved"
             for b in graphed.buckets), flush=True)
     return times
+
+
+def print_probed(scene: str, kind: str, round_: int, probed: dict, before, after) -> None:
+    """One line of ``--settle``: where ours' pass of this round spent its time (:func:`probed_round`), and what
+    the tuner's progress (before, after) gained in it."""
+    ms = {name: 1e3 * seconds for name, seconds in probed["phases"].items() if seconds > 3e-4}
+    threads = sorted(probed["threads"].items(), key=lambda kv: -kv[1])[:4]
+    pauses = probed["gc"]
+    print(f"  settle {scene} {kind} round {round_}: wall {1e3 * probed['wall']:.1f} ms, calling thread's CPU "
+          f"{1e3 * probed['caller']:.1f}; gc {1e3 * pauses.get('seconds', 0.0):.1f} ms "
+          f"({', '.join(f'{g} {n}' for g, n in sorted(pauses.items()) if g != 'seconds') or 'none'}); phases: "
+          + ", ".join(f"{label.strip()} {value:.1f}" for label, value in sorted(ms.items(), key=lambda kv: -kv[1])[:6])
+          + "; other threads' CPU ms: " + (", ".join(f"{name} {1e3 * s:.1f}" for name, s in threads) or "none")
+          + "; tuner: " + ", ".join(f"{field} {getattr(after, field) - getattr(before, field):+g}"
+                                    for field in after._fields),
+          flush=True)
 
 
 def print_rounds(alternated: dict, args) -> None:
@@ -428,6 +452,10 @@ def main() -> None:
                         help="also run ours with SPARSECONV_PLAN_MAPS=0 (the row ours_lazy_maps, alternating rounds too)")
     parser.add_argument("--graphed", action="store_true",
                         help="also run ours' inference in graph mode (sparseconv.graphed: the row ours_graphed)")
+    parser.add_argument("--settle", action="store_true",
+                        help="probe ours' pass of every alternating round (one line each: the calling thread's CPU "
+                             "time and phases, the other threads' CPU time, the collector's pauses): where the rounds "
+                             "right after the warm-up spend what settled ones do not; the probe adds its own host time")
     parser.add_argument("--deterministic", action="store_true",
                         help="also run ours in deterministic mode (the row ours_deterministic)")
     args = parser.parse_args()

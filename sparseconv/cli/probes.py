@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import os
 import sys
 import threading
@@ -15,7 +16,8 @@ import warnings
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["PHASES", "OpSites", "count_syncs", "gpu_busy", "phase_seconds", "sync_sites", "warp_launches"]
+__all__ = ["PHASES", "OpSites", "count_syncs", "gpu_busy", "phase_seconds", "probed_round", "sync_sites",
+           "thread_seconds", "warp_launches"]
 
 
 def warp_launches(fn) -> int:
@@ -211,3 +213,60 @@ def phase_seconds(fn) -> tuple[float, dict[str, float]]:
             setattr(owner, attribute, raw)
     seconds["in none of these"] = wall - covered[1]
     return wall, seconds
+
+
+def thread_seconds() -> dict[str, float]:
+    """CPU seconds each thread of this process has run so far, by name ("name#tid"): Python threads by their
+    ``threading`` name, native ones (autograd's backward threads, CUDA's, Warp's) by the kernel's (Linux's
+    /proc/self/task/*/schedstat, nanoseconds); elsewhere the Python threads alone (their CPU clocks)."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    seconds = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        tasks = None
+    if tasks is None:
+        for thread in threading.enumerate():
+            try:
+                seconds[f"{thread.name}#{thread.native_id}"] = time.clock_gettime(
+                    time.pthread_getcpuclockid(thread.ident))
+            except (AttributeError, OSError):  # no per-thread clocks here: none counted
+                pass
+        return seconds
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as file:
+                ran_ns = int(file.read().split()[0])
+            with open(f"/proc/self/task/{task}/comm") as file:
+                comm = file.read().strip()
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            continue
+        seconds[f"{names.get(int(task), comm)}#{task}"] = ran_ns / 1e9
+    return seconds
+
+
+def probed_round(fn) -> dict:
+    """One call of ``fn`` with what a settling pass may spend beside its own work: "wall" and "caller" (the
+    calling thread's CPU) seconds, "phases" (:func:`phase_seconds` of the caller), "threads" (CPU seconds of
+    each other thread of this process in the call, those that ran), "gc" (seconds the collector paused the
+    process and its collections by generation)."""
+    pauses, started = collections.Counter(), []
+
+    def collector(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses["seconds"] += time.perf_counter() - started.pop()
+            pauses[f"gen{info['generation']}"] += 1
+
+    caller = f"{threading.current_thread().name}#{threading.get_native_id()}"
+    before = thread_seconds()
+    gc.callbacks.append(collector)
+    try:
+        wall, phases = phase_seconds(fn)
+    finally:
+        gc.callbacks.remove(collector)
+    after = thread_seconds()
+    ran = {name: after[name] - before.get(name, 0.0) for name in after}
+    return {"wall": wall, "caller": ran.pop(caller, 0.0), "phases": phases, "gc": dict(pauses),
+            "threads": {name: seconds for name, seconds in ran.items() if seconds > 0}}
