@@ -11,11 +11,23 @@ multiple of 1/16 to 1/32 of N and the rest padded with zero rows to one such ste
 ~16-32 shapes an octave (padding the whole input instead: 0.12 ms a call, the copy included, but a
 copy of every input and gradient, which raised a training step's peak memory by ~0.1 GB at 91k voxels).
 A gathered operand is a copy anyway: its index is padded instead (:func:`bucketed_index`).
+
+Where Triton runs, :func:`padded_mm` is instead one launch of :func:`rows_mm`'s kernel, whose row count (and
+channel counts) are runtime values: no shape is new to it, and a call costs the host one launch, where the
+bucketed cuBLAS pair cost ~0.12 ms of host time a call once its shapes were known (two products, the pad, the copy
+of the rest), and a first meeting of a bucket 0.2-8 ms: at 40 new row counts in 60k-110k, (N, 64) x (64, 128) fp16
+met new buckets' costs over the first ~20 (H200, torch 2.11, CUDA 13, 2026-12-02).
 """
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
+
+from .mask_views import fused as _triton_runs
+from .triton_launch import launch_ready
 
 MIN_STEP = 64
 """The smallest row bucket step (small layers: the padding is a few rows at most)."""
@@ -32,6 +44,9 @@ def padded_mm(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | Non
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, matrix, bias)):
         # (products into ``out`` do not record autograd: a caller differentiating through this gets torch's own)
         return _product(rows, matrix, bias)
+    out = rows_mm(rows, matrix, bias)
+    if out is not None:
+        return out
     n, step = rows.shape[0], row_step(rows.shape[0])
     head = n - n % step
     out = rows.new_empty(n, matrix.shape[1])
@@ -67,3 +82,78 @@ def bucketed_index(index: torch.Tensor) -> torch.Tensor:
     gathers then make a product of a bucketed shape, whose first n rows are the product of ``index``'s."""
     n = index.shape[0]
     return torch.nn.functional.pad(index, (0, -n % row_step(n)))
+
+
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 64, 32
+"""rows_mm's tile: 128 rows x 64 output channels, the reduction 32 channels a step (fp32 accumulator: 64 registers
+a lane at 4 warps)."""
+
+
+def rows_mm(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``rows @ matrix (+ bias)`` by one Triton kernel whose sizes are runtime values (no per-shape host cost), fp32
+    accumulation, rounded once: (N, C_out) of rows' dtype. None where it does not run (no GPU and no interpreter,
+    operands it does not take, torch.compile tracing, compiling in the background): the caller multiplies.
+
+    rows: (N, C_in) float16/bfloat16/float32 with unit column stride (a slice of rows is fine); matrix: (C_in, C_out)
+    of its dtype and device, any strides (a transposed weight: dgrad); bias: (C_out,) contiguous or None."""
+    if (torch.compiler.is_compiling() or rows.dim() != 2 or matrix.dim() != 2 or rows.dtype not in _DTYPES
+            or matrix.dtype != rows.dtype or matrix.device != rows.device or rows.shape[1] != matrix.shape[0]
+            or (rows.shape[0] > 1 and rows.stride(1) != 1) or not _triton_runs(rows)
+            or (rows.dtype == torch.bfloat16 and not rows.is_cuda)):  # (the interpreter's numpy has no bfloat16)
+        return None
+    if bias is not None and not (bias.dtype == rows.dtype and bias.device == rows.device and bias.is_contiguous()
+                                 and bias.shape == matrix.shape[1:]):
+        return None
+    n, reduce, width = rows.shape[0], rows.shape[1], matrix.shape[1]
+    out = new_output((n, width), rows)
+    if not n or not width:
+        return out
+    if not reduce:
+        return None  # (an empty reduction: torch's zeros, or the bias)
+    from .triton_kernels import precision
+
+    grid = (-(-n // BLOCK_M), -(-width // BLOCK_N))
+    if launch_ready((_kernels, "rows_mm"), grid, rows, matrix, rows if bias is None else bias, out, n, reduce, width,
+                    rows.stride(0), matrix.stride(0), matrix.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                    BLOCK_K=BLOCK_K, BIAS=bias is not None, PRECISION=precision(rows.dtype)):
+        return out
+    return None
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """rows_mm's output, uninitialised (every element is stored by the kernel; the tests poison it here)."""
+    return like.new_empty(shape)
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """The kernel, defined on first use (importing sparseconv never imports Triton)."""
+    import triton
+    import triton.language as tl
+
+    # The row count is not specialised on (a point cloud's every size would be another compile); the channel
+    # counts and strides are (multiples of 16 in a network, the loads vectorise).
+    @triton.jit(do_not_specialize=["rows"])
+    def rows_mm(a_ptr, w_ptr, bias_ptr, out_ptr, rows, reduce, width, stride_a, stride_wk, stride_wn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BIAS: tl.constexpr,
+                PRECISION: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = row < rows, col < width
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, reduce, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < reduce
+            a = tl.load(a_ptr + row[:, None] * stride_a + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + k[:, None] * stride_wk + col[None, :] * stride_wn, mask=k_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if BIAS:
+            acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + row[:, None] * width + col[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    return SimpleNamespace(rows_mm=rows_mm)

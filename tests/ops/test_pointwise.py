@@ -49,7 +49,10 @@ def test_padded_products_equal_torch_s_values_and_gradients(with_bias):
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_padded_products_meet_the_same_shapes_at_nearby_row_counts(with_bias):
+def test_padded_products_meet_the_same_shapes_at_nearby_row_counts(with_bias, monkeypatch):
+    from sparseconv.backends import row_buckets
+
+    monkeypatch.setattr(row_buckets, "rows_mm", lambda *args: None)  # cuBLAS's bucketed products (no Triton)
     seen = []
     for n in (1000, 1013, 1020):
         feats = torch.randn(n, 32, requires_grad=True)
@@ -89,3 +92,67 @@ def test_a_1x1_conv_on_the_gpu_runs_padded_products_with_the_reference_s_values(
     grad = 2 * out.float().double().cpu()
     want = grad @ conv.weight.detach()[0].double().cpu().t()
     assert torch.allclose(x.feats.grad.double().cpu(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+@pytest.fixture
+def poisoned_rows_mm(monkeypatch):
+    from sparseconv.backends import row_buckets
+
+    monkeypatch.setattr(row_buckets, "new_output", lambda shape, like: torch.full(shape, float("nan"), dtype=like.dtype,
+                                                                                   device=like.device))
+
+
+DEVICES_MM = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES_MM)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 16, 16), (300, 64, 128), (77, 96, 19), (129, 40, 70), (5000, 256, 96)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("layout", ["plain", "bias", "transposed", "offset rows"])
+def test_the_rows_kernel_equals_a_float64_product_at_any_size_and_layout(shape, dtype, layout, device, poisoned_rows_mm):
+    from sparseconv.backends.row_buckets import rows_mm
+
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("Triton's interpreter computes in numpy, which has no bfloat16 (GPU only)")
+    n, c_in, c_out = shape
+    if device == "cpu" and n > 1000:
+        n = 400  # the interpreter: a few tiles
+    rows = torch.randn(n + 3, c_in, dtype=dtype, device=device)
+    rows = rows[3:] if layout == "offset rows" else rows[:n]  # a slice: the first row past a 16-byte boundary
+    matrix = (torch.randn(c_out, c_in, dtype=dtype, device=device).t() if layout == "transposed"
+              else torch.randn(c_in, c_out, dtype=dtype, device=device)) / c_in ** 0.5
+    bias = torch.randn(c_out, dtype=dtype, device=device) if layout == "bias" else None
+    got = rows_mm(rows, matrix, bias)
+    assert got is not None and got.shape == (n, c_out) and got.dtype == dtype
+    want = rows.double() @ matrix.double() + (bias.double() if bias is not None else 0)
+    tolerance = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    assert torch.isfinite(got).all()
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < tolerance
+
+
+def test_the_rows_kernel_declines_what_it_does_not_take():
+    from sparseconv.backends.row_buckets import rows_mm
+
+    rows, matrix = torch.randn(40, 16), torch.randn(16, 8)
+    assert rows_mm(rows.double(), matrix.double()) is None  # float64: torch's product
+    assert rows_mm(rows.t().contiguous().t(), matrix) is None  # column-strided rows
+    assert rows_mm(rows, matrix.half()) is None  # mixed dtypes
+    assert rows_mm(rows, matrix, torch.randn(8, 2)[:, 0]) is None  # a strided bias
+    assert rows_mm(rows.bfloat16(), matrix.bfloat16()) is None  # bfloat16 under the interpreter
+
+
+def test_padded_products_run_one_kernel_and_no_matmul_where_triton_runs(poisoned_rows_mm):
+    for n in (1000, 1013):
+        feats = torch.randn(n, 32)
+        matrix = torch.randn(32, 16)
+        with MatmulShapes() as shapes:
+            out = pointwise(feats, matrix, padded=True)
+        assert shapes.shapes == set()  # no cuBLAS product: no shape of its to meet
+        assert torch.allclose(out, feats @ matrix, atol=1e-4, rtol=1e-4)
+    feats, matrix = torch.randn(300, 24, requires_grad=True), torch.randn(24, 40, requires_grad=True)
+    grad = torch.randn(300, 40)
+    got = torch.autograd.grad(pointwise(feats, matrix, padded=True), (feats, matrix), grad)
+    want = torch.autograd.grad(feats @ matrix, (feats, matrix), grad)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all() and torch.allclose(g, w, atol=1e-4, rtol=1e-4)
