@@ -61,6 +61,9 @@ def padded_mm(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | Non
 def padded_reduction(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """``left.T @ right`` for left (N, A), right (N, B): (A, B), N (the reduced dimension) split as
     :func:`padded_mm` splits its rows (the rest padded with zero rows on both sides)."""
+    out = rows_reduction(left, right)
+    if out is not None:
+        return out
     n, step = left.shape[0], row_step(left.shape[0])
     head = n - n % step
     out = torch.mm(left[:head].t(), right[:head])
@@ -96,10 +99,8 @@ def rows_mm(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None 
 
     rows: (N, C_in) float16/bfloat16/float32 with unit column stride (a slice of rows is fine); matrix: (C_in, C_out)
     of its dtype and device, any strides (a transposed weight: dgrad); bias: (C_out,) contiguous or None."""
-    if (torch.compiler.is_compiling() or rows.dim() != 2 or matrix.dim() != 2 or rows.dtype not in _DTYPES
-            or matrix.dtype != rows.dtype or matrix.device != rows.device or rows.shape[1] != matrix.shape[0]
-            or (rows.shape[0] > 1 and rows.stride(1) != 1) or not _triton_runs(rows)
-            or (rows.dtype == torch.bfloat16 and not rows.is_cuda)):  # (the interpreter's numpy has no bfloat16)
+    if not (_takes(rows) and matrix.dim() == 2 and matrix.dtype == rows.dtype and matrix.device == rows.device
+            and rows.shape[1] == matrix.shape[0]):
         return None
     if bias is not None and not (bias.dtype == rows.dtype and bias.device == rows.device and bias.is_contiguous()
                                  and bias.shape == matrix.shape[1:]):
@@ -118,6 +119,41 @@ def rows_mm(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None 
                     BLOCK_K=BLOCK_K, BIAS=bias is not None, PRECISION=precision(rows.dtype)):
         return out
     return None
+
+
+CHUNK = 4096
+"""Rows one program of :func:`rows_reduction` sums over (a fixed split: the sum's order depends on N alone)."""
+
+
+def rows_reduction(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor | None:
+    """``left.T @ right`` by one Triton kernel with runtime sizes: each program sums :data:`CHUNK` rows of one
+    (64, 64) tile in fp32 into its own slice of a workspace, which one torch sum adds up (no atomics: the same
+    result every run) and rounds once; (A, B) of left's dtype. None where it does not run (as :func:`rows_mm`).
+
+    left: (N, A), right: (N, B), one float dtype and device, each with unit column stride."""
+    if not (_takes(left) and _takes(right) and right.dtype == left.dtype and right.device == left.device
+            and right.shape[0] == left.shape[0]):
+        return None
+    n, a_width, b_width = left.shape[0], left.shape[1], right.shape[1]
+    if not (n and a_width and b_width):
+        return None  # (torch's zeros)
+    from .triton_kernels import precision
+
+    splits = -(-n // CHUNK)
+    partial = left.new_empty((splits, a_width, b_width), dtype=torch.float32)
+    grid = (-(-a_width // BLOCK_N), -(-b_width // BLOCK_N), splits)
+    if not launch_ready((_kernels, "rows_reduction"), grid, left, right, partial, n, a_width, b_width, left.stride(0),
+                        right.stride(0), CHUNK, BLOCK=BLOCK_N, BLOCK_R=BLOCK_K, PRECISION=precision(left.dtype)):
+        return None
+    return (partial[0] if splits == 1 else partial.sum(0)).to(left.dtype)
+
+
+def _takes(rows: torch.Tensor) -> bool:
+    """Whether the kernels take ``rows`` as a (N, C) operand: a float dtype, unit column stride, on a device
+    they run on (bfloat16 on a GPU only: the interpreter's numpy has none), outside torch.compile's tracing."""
+    return (not torch.compiler.is_compiling() and rows.dim() == 2 and rows.dtype in _DTYPES
+            and (rows.shape[0] <= 1 or rows.stride(1) == 1) and _triton_runs(rows)
+            and (rows.dtype != torch.bfloat16 or rows.is_cuda))
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -156,4 +192,21 @@ def _kernels() -> SimpleNamespace:
         tl.store(out_ptr + row[:, None] * width + col[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
-    return SimpleNamespace(rows_mm=rows_mm)
+    @triton.jit(do_not_specialize=["rows"])
+    def rows_reduction(l_ptr, r_ptr, partial_ptr, rows, l_width, r_width, stride_l, stride_r, chunk,
+                       BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        i_ok, j_ok = i < l_width, j < r_width
+        first = tl.program_id(2).to(tl.int64) * chunk
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for start in range(0, chunk, BLOCK_R):
+            row = first + start + tl.arange(0, BLOCK_R)
+            row_ok = row < rows
+            lt = tl.load(l_ptr + row[:, None] * stride_l + i[None, :], mask=row_ok[:, None] & i_ok[None, :], other=0.0)
+            rt = tl.load(r_ptr + row[:, None] * stride_r + j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+            acc = tl.dot(tl.trans(lt), rt, acc, input_precision=PRECISION)
+        at = tl.program_id(2).to(tl.int64) * l_width * r_width + i[:, None] * r_width + j[None, :]
+        tl.store(partial_ptr + at, acc, mask=i_ok[:, None] & j_ok[None, :])
+
+    return SimpleNamespace(rows_mm=rows_mm, rows_reduction=rows_reduction)

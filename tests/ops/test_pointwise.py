@@ -53,6 +53,7 @@ def test_padded_products_meet_the_same_shapes_at_nearby_row_counts(with_bias, mo
     from sparseconv.backends import row_buckets
 
     monkeypatch.setattr(row_buckets, "rows_mm", lambda *args: None)  # cuBLAS's bucketed products (no Triton)
+    monkeypatch.setattr(row_buckets, "rows_reduction", lambda *args: None)
     seen = []
     for n in (1000, 1013, 1020):
         feats = torch.randn(n, 32, requires_grad=True)
@@ -131,8 +132,34 @@ def test_the_rows_kernel_equals_a_float64_product_at_any_size_and_layout(shape, 
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < tolerance
 
 
+@pytest.mark.parametrize("device", DEVICES_MM)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 16, 16), (300, 64, 128), (5000, 19, 96), (9000, 256, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_the_reduction_kernel_equals_a_float64_product_over_any_row_count(shape, dtype, device):
+    from sparseconv.backends.row_buckets import CHUNK, rows_reduction
+
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("Triton's interpreter computes in numpy, which has no bfloat16 (GPU only)")
+    n, a_width, b_width = shape
+    if device == "cpu":
+        n = min(n, CHUNK + 300)  # the interpreter: two splits at most
+    left = torch.randn(n + 1, a_width, dtype=dtype, device=device)[1:]  # a slice: rows past a 16-byte boundary
+    right = torch.randn(n, b_width, dtype=dtype, device=device)
+    got = rows_reduction(left, right)
+    assert got is not None and got.shape == (a_width, b_width) and got.dtype == dtype
+    want = left.double().t() @ right.double()
+    tolerance = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    assert torch.isfinite(got).all()
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < tolerance
+    assert torch.equal(rows_reduction(left, right), got)  # no atomics: the same sum every run
+
+
 def test_the_rows_kernel_declines_what_it_does_not_take():
-    from sparseconv.backends.row_buckets import rows_mm
+    from sparseconv.backends.row_buckets import rows_mm, rows_reduction
+
+    assert rows_reduction(torch.randn(40, 16).double(), torch.randn(40, 8).double()) is None
+    assert rows_reduction(torch.randn(40, 16), torch.randn(41, 8)) is None  # row counts differ
 
     rows, matrix = torch.randn(40, 16), torch.randn(16, 8)
     assert rows_mm(rows.double(), matrix.double()) is None  # float64: torch's product
