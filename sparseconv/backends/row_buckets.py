@@ -200,7 +200,7 @@ def _kernels() -> SimpleNamespace:
         i_ok, j_ok = i < l_width, j < r_width
         first = tl.program_id(2).to(tl.int64) * chunk
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-        for start in range(0, chunk, BLOCK_R):
+        for start in range(0, tl.minimum(chunk, rows - first), BLOCK_R):  # the last split: its rows only
             row = first + start + tl.arange(0, BLOCK_R)
             row_ok = row < rows
             lt = tl.load(l_ptr + row[:, None] * stride_l + i[None, :], mask=row_ok[:, None] & i_ok[None, :], other=0.0)
