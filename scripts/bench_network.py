@@ -19,7 +19,9 @@ atomics-free algorithms), the row after ours: what bitwise-repeatable runs cost.
 for it, instead of a new batch building the maps the last batches asked for at once), in the
 alternating rounds too: what planning the maps saves. With --graphed, "ours_graphed" is ours' inference
 through sparseconv.graphed (the pass replayed from a CUDA graph per capacity bucket; maps built eagerly
-per batch); it has no training step.
+per batch); it has no training step. With --settle, every alternating round of ours prints where its pass spent its
+time (the calling thread's CPU and phases, the other threads' CPU, the collector's pauses, what the tuner gained):
+the rounds right after the warm-up against the settled ones.
 
 Columns, per scene, dtype and library (milliseconds unless named; medians of --repeats):
   infer / step      inference (no_grad, eval) and one training step (forward, cross-entropy,
@@ -57,6 +59,7 @@ spconv cannot reuse a strided conv's map. ``--maps-only`` prints that table alon
     python scripts/bench_network.py --scenes street1 room2 --dtypes float16 --peers spconv --lazy-maps
     python scripts/bench_network.py --scenes street1 street4 room2 --dtypes float16 --peers spconv --rounds-only --graphed
     python scripts/bench_network.py --scenes street1 street4 --dtypes float16 --peers spconv --model backbone
+    python scripts/bench_network.py --scenes street1 --dtypes float16 --peers spconv --rounds-only --repeats 16 --settle
     python scripts/bench_network.py --device cpu --scale 0.05 --repeats 2 --peers naive   # dry run
 """
 
