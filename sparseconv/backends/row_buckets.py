@@ -21,12 +21,12 @@ met new buckets' costs over the first ~20 (H200, torch 2.11, CUDA 13, 2026-12-02
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import torch
 
 from .mask_views import fused as _triton_runs
+from .triton_kernels import cdiv, defined_once, precision
 from .triton_launch import launch_ready
 
 MIN_STEP = 64
@@ -106,14 +106,12 @@ def rows_mm(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None 
                                  and bias.shape == matrix.shape[1:]):
         return None
     n, reduce, width = rows.shape[0], rows.shape[1], matrix.shape[1]
+    if not reduce and n and width:
+        return None  # (an empty reduction: torch's zeros, or the bias)
     out = new_output((n, width), rows)
     if not n or not width:
         return out
-    if not reduce:
-        return None  # (an empty reduction: torch's zeros, or the bias)
-    from .triton_kernels import precision
-
-    grid = (-(-n // BLOCK_M), -(-width // BLOCK_N))
+    grid = (cdiv(n, BLOCK_M), cdiv(width, BLOCK_N))
     if launch_ready((_kernels, "rows_mm"), grid, rows, matrix, rows if bias is None else bias, out, n, reduce, width,
                     rows.stride(0), matrix.stride(0), matrix.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                     BLOCK_K=BLOCK_K, BIAS=bias is not None, PRECISION=precision(rows.dtype)):
@@ -137,11 +135,9 @@ def rows_reduction(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor | No
     n, a_width, b_width = left.shape[0], left.shape[1], right.shape[1]
     if not (n and a_width and b_width):
         return None  # (torch's zeros)
-    from .triton_kernels import precision
-
-    splits = -(-n // CHUNK)
+    splits = cdiv(n, CHUNK)
     partial = left.new_empty((splits, a_width, b_width), dtype=torch.float32)
-    grid = (-(-a_width // BLOCK_N), -(-b_width // BLOCK_N), splits)
+    grid = (cdiv(a_width, BLOCK_N), cdiv(b_width, BLOCK_N), splits)
     if not launch_ready((_kernels, "rows_reduction"), grid, left, right, partial, n, a_width, b_width, left.stride(0),
                         right.stride(0), CHUNK, BLOCK=BLOCK_N, BLOCK_R=BLOCK_K, PRECISION=precision(left.dtype)):
         return None
@@ -164,9 +160,9 @@ def new_output(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(shape)
 
 
-@functools.cache
+@defined_once
 def _kernels() -> SimpleNamespace:
-    """The kernel, defined on first use (importing sparseconv never imports Triton)."""
+    """The kernels, defined on first use (importing sparseconv never imports Triton)."""
     import triton
     import triton.language as tl
 

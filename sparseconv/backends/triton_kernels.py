@@ -23,7 +23,9 @@ The weight is addressed through strides, so dgrad reads W_k^T without a copy. Th
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -32,20 +34,28 @@ from .. import config
 from . import triton_view_kernels
 
 
-_DEFINED: SimpleNamespace | None = None
-_LOCK = threading.Lock()
+def defined_once(define: Callable[[], SimpleNamespace]) -> Callable[[], SimpleNamespace]:
+    """``define`` (a module's @triton.jit kernels) called once per process, its namespace returned ever after.
+    Thread-safe: the tuner and the background compiles' loaders compile kernels on several threads at once, and a
+    second definition (functools.cache does not lock) would take the kernels one thread compiled away from the
+    others. The wrapper keeps ``define``'s name: a compile worker looks the kernels up through it."""
+    lock, held = threading.Lock(), []
+
+    @functools.wraps(define)
+    def kernels() -> SimpleNamespace:
+        if not held:
+            with lock:
+                if not held:
+                    held.append(define())
+        return held[0]
+
+    return kernels
 
 
+@defined_once
 def kernels() -> SimpleNamespace:
-    """The @triton.jit kernels, defined once per process. Thread-safe: the tuner compiles them on
-    several threads at once, and a second definition (functools.cache does not lock) would take
-    the kernels one thread compiled away from the others."""
-    global _DEFINED
-    if _DEFINED is None:
-        with _LOCK:
-            if _DEFINED is None:
-                _DEFINED = _define()
-    return _DEFINED
+    """The @triton.jit kernels of the fused backends and of the map views."""
+    return _define()
 
 
 def _define() -> SimpleNamespace:

@@ -15,12 +15,12 @@ time, H200 host) at the first inference after each training step: a validation l
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import torch
 
 from ..backends.mask_views import fused as _triton_runs
+from ..backends.triton_kernels import defined_once
 from ..backends.triton_launch import launch_ready
 
 BLOCK = 1024
@@ -105,7 +105,7 @@ def _fusable(feats: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tenso
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@functools.cache
+@defined_once
 def _kernels():
     """The kernel, defined on first use (importing sparseconv never imports Triton)."""
     import triton
