@@ -34,9 +34,12 @@ first inference on one unseen cloud, the first training step on another, 20 infe
 unseen clouds (the largest against the steady pass: ours after its background compiles finished),
 then a second scene's first inference and step (--second-scene). For ours, a second table says where
 each of those passes spent its seconds (cli.probes.PHASES: Warp and Triton builds, tuning, ...), and a
-line when its background compiles ended (seconds after the first inference began).
+line when its background compiles ended (seconds after the first inference began). ``--window S`` goes on
+inferring on unseen clouds for S seconds after the 20 and prints their median per 2 s since the first
+inference began: how soon the passes reach the steady one while the compiles run.
 
     python scripts/bench_cold_start.py --passes --scene street1 --second-scene street4 --dtype float16 --peers spconv
+    python scripts/bench_cold_start.py --passes --window 16 --scene street1 --dtype float16 --peers spconv
 """
 
 from __future__ import annotations
@@ -132,6 +135,14 @@ def passes_child(args) -> None:
         after_phases.append(seconds)
     worst = max(range(len(after)), key=after.__getitem__)
     tuning = sparseconv.tune.progress()._asdict() if name == "ours" else None  # after the 20 passes
+    window = []  # (seconds after the first inference began, seconds of the pass) over --window
+    started = time.perf_counter()
+    while time.perf_counter() - started < args.window:
+        runner.use(clouds[2 + len(window) % (len(clouds) - 2)])
+        begin = time.perf_counter()
+        runner.infer()
+        sync(device)
+        window.append((begin - began, time.perf_counter() - begin))
     passes[f"worst of next 20 (#{worst + 1})"], phases[f"worst of next 20 (#{worst + 1})"] = after[worst], after_phases[worst]
     if name == "ours":
         import sparseconv.tune
@@ -150,7 +161,7 @@ def passes_child(args) -> None:
     measured("new scene step", second[1], "step")
     print(json.dumps({"import torch": imported_torch, "import": imported, "model": built, "passes": passes,
                       "tuning": tuning, "compiles done": compiles_done,
-                      "phases": phases, "after": after, "steady": statistics.median(steady)}))
+                      "phases": phases, "after": after, "steady": statistics.median(steady), "window": window}))
 
 
 def passes_table(results: dict[str, dict], args) -> None:
@@ -185,6 +196,8 @@ def passes_table(results: dict[str, dict], args) -> None:
         print(f"\n{name}: the next 20 inferences, ms: " + " ".join(f"{1e3 * s:.0f}" for s in result["after"])
               + f"; after them the tuner had {tuning['settled']} products tuned, {tuning['untimed']} running a pick "
               f"untimed, {tuning['compiling']} waiting for background compiles, {tuning['timed_s']:.2f} s timed in calls")
+        if result["window"]:
+            print(f"{name}: {window_line(result['window'])}")
         done = result["compiles done"]
         if done is None:
             print(f"{name}: the background compiles had not ended by the wait's timeout")
@@ -193,6 +206,16 @@ def passes_table(results: dict[str, dict], args) -> None:
         else:
             print(f"{name}: no background compile was left after the 20 inferences ({done[0]:.1f} s after the first "
                   "inference began)")
+
+
+def window_line(window: list) -> str:
+    """``--window``'s passes: how many, and their median ms per 2 s of the time since the first inference began."""
+    buckets: dict[int, list[float]] = {}
+    for at, seconds in window:
+        buckets.setdefault(int(at // 2), []).append(1e3 * seconds)
+    spans = " ".join(f"{2 * k}-{2 * k + 2} s: {statistics.median(v):.0f}" for k, v in sorted(buckets.items()))
+    return (f"{len(window)} inferences on unseen clouds after those 20 ({window[-1][0] + window[-1][1] - window[0][0]:.1f}"
+            f" s), median ms by the time since the first inference began: {spans}")
 
 
 def run_config(config: str, args) -> dict:
@@ -208,7 +231,7 @@ def run_config(config: str, args) -> dict:
         command = [sys.executable, os.path.abspath(__file__), "--child", config, "--scene", args.scene,
                    "--dtype", args.dtype, "--device", args.device, "--scale", str(args.scale),
                    "--seconds", str(args.seconds), "--steps", str(args.steps), "--second-scene", args.second_scene,
-                   "--timeout", str(args.timeout)] + (["--passes"] if args.passes else [])
+                   "--timeout", str(args.timeout), "--window", str(args.window)] + (["--passes"] if args.passes else [])
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -252,6 +275,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=400.0, help="seconds per configuration")
     parser.add_argument("--passes", action="store_true", help="a new user's first passes and where ours spends them")
     parser.add_argument("--second-scene", default="street4", help="--passes: the scene met after --scene")
+    parser.add_argument("--window", type=float, default=0.0,
+                        help="--passes: after the 20 inferences, go on inferring on unseen clouds this many seconds "
+                             "(the background compiles' window: how soon the passes reach the steady one)")
     parser.add_argument("--warm-compilers", action="store_true",
                         help="--passes: keep Warp's, Triton's and CuPy's caches (a second process on the machine)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
