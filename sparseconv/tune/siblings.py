@@ -2,8 +2,9 @@
 
 A key's family (:attr:`~.key.TuneKey.family`, with the memo's mode) is the one layer at every size: its keys differ
 only in their bucketed row counts and density (:attr:`~.key.TuneKey.sizes`). A new key an unseen point cloud brings
-takes the choice of its nearest timed sibling: adopted as settled within one bucket (:meth:`.tuner.Tuner._adopted`),
-run as a loaded stand-in a few buckets away (:meth:`.tuner.Tuner._sibling_stand_in`).
+takes the choice of its nearest timed sibling: adopted as settled within one bucket
+(:meth:`.stand_ins.StandIns.adoptable`), run as a loaded stand-in a few buckets away
+(:meth:`.stand_ins.StandIns.from_sibling`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from .evidence import Evidence, cost, pick
 from .key import TuneKey, make_key
 from .pools import FALLBACK, AlgoMode, candidate_pool, meanwhile, resolve_mode
 from .precompile import ChoiceCompiles
-from .siblings import Siblings
+from .stand_ins import StandIns
 from .sweep import compile_and_sweep, log_sweep, refuse_tuning_in_trace, retime
 from .timing import CLOSE
 
@@ -59,12 +59,9 @@ class Tuner:
         self._compiles = compiles or ChoiceCompiles()  # no worker until a first choice compiles there
         self._ranks = ranks or Ranks()
         self.budget = budget or TimingBudget()
-        # memo -> (the model's pick, run until the key is timed; whether its kernels are loaded)
-        self._stand_ins: dict[tuple, tuple[Candidate, bool]] = {}
+        self._stand_ins = StandIns()  # what keys run untimed
         # memo -> the candidates this process timed for it in earlier calls, while its sweep is spread over calls
         self._sweeps: dict[tuple, list[Candidate]] = {}
-        self._siblings = Siblings()  # the choices settled on timings (not adopted), by family
-        self._adoptions = 0  # choices _adopted settled
 
     @property
     def cache(self) -> TuneCache:
@@ -163,7 +160,8 @@ class Tuner:
             adopted = self._adopted(namespace, memo, key, effort, problem)
             if adopted is not None:
                 return (*adopted, True)
-            loaded = self._loaded_stand_in(memo) or self._sibling_stand_in(memo, key, effort, problem)
+            loaded = (self._stand_ins.loaded(memo)
+                      or self._stand_ins.from_sibling(memo, key, effort, problem, self.budget))
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
                 # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else what
                 # needs no compile.
@@ -185,21 +183,19 @@ class Tuner:
                         candidate = candidate.candidate
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
-                            running = self._meanwhile(memo, problem)
+                            running = self._stand_ins.meanwhile(memo, problem)
                             return running, registry.get(running.backend), False
-                        if self._stand_ins.get(memo, (None,))[0] == candidate:
-                            # The stand-in's kernels are loaded: the fast path above (not the reference a
-                            # sweep runs while its candidates compile, nor another rank's provisional pick).
-                            self._stand_ins[memo] = (candidate, True)
+                        # Its kernels are loaded if it is the stand-in: the fast path above (not the reference a
+                        # sweep runs while its candidates compile, nor another rank's provisional pick).
+                        self._stand_ins.ran(memo, candidate)
                         return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
-                        running = self._meanwhile(memo, problem)
+                        running = self._stand_ins.meanwhile(memo, problem)
                         return running, registry.get(running.backend), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
                     if key is not None:
-                        self._siblings.record(memo, key, candidate)
-                        self._stand_ins.pop(memo, None)
+                        self._stand_ins.settled(memo, key, candidate)
         return (*choice, True)
 
     @staticmethod
@@ -272,7 +268,7 @@ class Tuner:
         with self._lock:
             settled = sum(1 for memo in self._choices if isinstance(memo[0], TuneKey))
             untimed = len(self._stand_ins)
-        return Progress(settled, untimed, self.compiling(), self.budget.spent_s, self._adoptions)
+        return Progress(settled, untimed, self.compiling(), self.budget.spent_s, self._stand_ins.adoptions)
 
     def _decide(self, namespace: str, key: TuneKey, problem: ConvProblem, mode: AlgoMode, effort: str,
                 a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, memo: tuple = ()
@@ -288,7 +284,7 @@ class Tuner:
         fresh: list[Candidate] = []
         started = time.perf_counter()
         if missing:
-            stand_in = self._stand_in(namespace, key, pool, effort, evidence, a, memo)
+            stand_in = self._stand_ins.pick(namespace, key, pool, effort, evidence, a, memo, self.budget, self.cache)
             if stand_in is not None:
                 return Provisional(stand_in), False  # its kernels may compile in the background meanwhile
             elsewhere = self._timed_elsewhere(namespace, encoded, problem, pool, a, key.deterministic)
@@ -301,7 +297,7 @@ class Tuner:
             if swept is None:
                 # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
                 # claim stays ours: other ranks run the pool's first until the choice is published.
-                return Provisional(self._meanwhile(memo, problem)), True
+                return Provisional(self._stand_ins.meanwhile(memo, problem)), True
             fresh = swept
             if sliced and fresh:
                 # The rest of the sweep (and the re-timing of close finishers) waits for later calls.
@@ -313,7 +309,7 @@ class Tuner:
         choice = adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
         if fresh:
             self.budget.spend(timed_s)
-            self._stand_ins.pop(memo, None)
+            self._stand_ins.timed(memo)
             self._store(namespace, encoded, evidence.timings)
         log_sweep(namespace, encoded, pool, evidence.timings, choice, fresh)
         # Its compile may wait for the background only if it compiled and passed on this device
@@ -333,9 +329,9 @@ class Tuner:
         timed = self._sweeps[memo] = [*self._sweeps.get(memo, ()), *fresh]
         passing = evidence.passing(pool)
         if not passing:
-            return Provisional(self._meanwhile(memo, problem)), True
+            return Provisional(self._stand_ins.meanwhile(memo, problem)), True
         best = evidence.best(passing)
-        self._stand_ins[memo] = (best, best in timed)
+        self._stand_ins.hold(memo, best, best in timed)
         return Provisional(best), best in timed
 
     def _to_time(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence,
@@ -352,88 +348,18 @@ class Tuner:
             missing = prior.unknown(self.cache, namespace, key, missing)
         return missing
 
-    def _stand_in(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence,
-                  a: torch.Tensor, memo: tuple) -> Candidate | None:
-        """What a key with candidates to time runs instead of timing them in this call, untimed: the cheapest
-        candidate its records passed (this cache's or the shipped tunings'), else the cost model's first pick.
-
-        A key whose records passed a candidate, where kernels compile in the background (a GPU, eagerly:
-        :func:`compiling.in_background`), never times at its first calls: it runs that candidate (the reference
-        while its kernels compile) and a later call, once it is loaded and the timing budget allows, queues the
-        candidates the records lack to the background compiles and times them when compiled, the stand-in
-        running meanwhile. Timed at once, a shipped key's four candidates the shipped tunings lacked cost a cold
-        process's first pass 4 of its 8.7 s at 91k (H200, 2026-11-28), compiled and timed in the call. A key
-        without records keeps its sweep (compiled in the background first, the reference running meanwhile):
-        run through a stand-in first, each such key compiled twice and was timed later, inside the passes a
-        user times (street1's unseen-cloud rounds, 12.5 -> 24.6 ms median). Elsewhere the stand-in runs only
-        while the budget is spent (:mod:`.budget`). None (time it now) under effort full (tuning ahead), in
-        deterministic mode (which kernel ran would depend on the clock), with neither records nor a fitted
-        model to pick from, or inside :meth:`TimingBudget.waived` (a moment chosen to tune)."""
-        if effort != "quick" or key.deterministic or self.budget.waiving:
-            return None
-        held = self._stand_ins.get(memo)
-        recorded = evidence.passing(pool)
-        first_calls = ((held is None or not held[1]) and bool(recorded)
-                       and compiling.in_background(a, key.deterministic))
-        if not first_calls and self.budget.allows():
-            return None
-        if held is None:
-            if recorded:
-                choice = evidence.best(recorded)
-            else:
-                costs = prior.predicted(self.cache, namespace, key, pool)
-                if not costs:
-                    return None
-                choice = min((c for c in pool if c.id in costs), key=lambda c: costs[c.id])
-            held = self._stand_ins[memo] = (choice, False)
-        return held[0]
-
     def _adopted(self, namespace: str, memo: tuple, key: TuneKey | None, effort: str, problem: ConvProblem
                  ) -> tuple[Candidate, registry.Backend] | None:
-        """A new key at most :data:`ADOPT_BUCKETS` from a key of its family settled on timings here, in each of its
-        row counts and its density: that key's choice, settled for this one untimed (a choice, not a stand-in: no
-        sweep follows); else None. Within a bucket sizes 1.4x apart share a winner already (:mod:`.key`), and the
-        next bucket's centre is that far: on unseen point clouds most new keys are one bucket from a timed one, and
-        timing them took ~6 ms of every street1 inference (H200). Adopted choices serve no further key (no chains
-        of adoptions), and are not written to the cache. None where the key has records of its own (the cache's or
-        the shipped tunings'), under effort full, in deterministic mode, inside :meth:`TimingBudget.waived`, or
-        while the key's own sweep goes on."""
-        if (key is None or effort != "quick" or key.deterministic or self.budget.waiving or memo in self._sweeps
-                or memo in self._stand_ins):
-            return None
-        candidate = self._siblings.nearest(memo, key, problem, max, ADOPT_BUCKETS)
-        if candidate is None or self.cache.get(namespace, key.encode()) is not None:
+        """A new key's choice adopted from its family, settled untimed (:meth:`.stand_ins.StandIns.adoptable`), or
+        None."""
+        candidate = self._stand_ins.adoptable(namespace, memo, key, effort, problem, self.budget, self.cache,
+                                              memo in self._sweeps)
+        if candidate is None:
             return None
         with self._lock:
             choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
-            self._adoptions += 1
+            self._stand_ins.adoptions += 1
         return choice
-
-    def _sibling_stand_in(self, memo: tuple, key: TuneKey | None, effort: str, problem: ConvProblem
-                          ) -> Candidate | None:
-        """A new key's stand-in from its family (the same layer's keys on other batches' maps, :attr:`TuneKey.family`):
-        the choice this process settled for the nearest of its keys in buckets, at most :data:`SIBLING_BUCKETS`
-        away, kept as ``memo``'s loaded stand-in; else None. Its kernels are loaded (they ran here) and need no
-        compile (none specialises on row counts), so a key an unseen point cloud brings runs at once what its
-        neighbour settled on, not the reference or explicit_gemm_table while the model's picks compile; its sweep
-        still runs, in later calls within the timing budget. None for a key with a stand-in already, under
-        effort full, in deterministic mode or inside :meth:`TimingBudget.waived` (as :meth:`_stand_in`)."""
-        if key is None or memo in self._stand_ins or effort != "quick" or key.deterministic or self.budget.waiving:
-            return None
-        candidate = self._siblings.nearest(memo, key, problem, sum, SIBLING_BUCKETS)
-        if candidate is not None:
-            self._stand_ins[memo] = (candidate, True)
-        return candidate
-
-    def _meanwhile(self, memo: tuple, problem: ConvProblem) -> Candidate:
-        """What ``memo`` runs while its kernels compile or its sweep waits: its loaded stand-in, else what needs no
-        compile (:func:`.pools.meanwhile`)."""
-        return self._loaded_stand_in(memo) or meanwhile(problem)
-
-    def _loaded_stand_in(self, memo: tuple) -> Candidate | None:
-        """The stand-in of ``memo`` (:meth:`_stand_in`) if its kernels are loaded (it has run), else None."""
-        held = self._stand_ins.get(memo)
-        return held[0] if held is not None and held[1] else None
 
     def _timed_elsewhere(self, namespace: str, encoded: str, problem: ConvProblem, pool: list[Candidate],
                          a: torch.Tensor, deterministic: bool) -> tuple[Candidate | Provisional, bool] | None:
@@ -459,7 +385,7 @@ class Tuner:
         was left), or None where a round's kernels compile in the background first (:meth:`ChoiceCompiles.defer`)."""
         encoded, fresh = key.encode(), []
         passed = lambda: evidence.any_passed(pool)  # noqa: E731
-        loaded = self._loaded_stand_in(memo) is not None
+        loaded = self._stand_ins.loaded(memo) is not None
         for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
             if limit is not None and len(fresh) >= limit:
                 break
@@ -514,18 +440,10 @@ class Tuner:
         self.cache.put(namespace, encoded, entry)
 
 
-ADOPT_BUCKETS = 1
-"""How far (half-octave buckets, in each of the row counts and the density) a key timed here may be for a new key of
-its family to adopt its choice untimed (:meth:`Tuner._adopted`)."""
-
-SIBLING_BUCKETS = 4
-"""How far (half-octave buckets of row counts and density, summed) a settled key of a new key's family may be for
-its choice to stand in (:meth:`Tuner._sibling_stand_in`): a layer twice as large, or half as full."""
-
 SWEEP_IN_BACKGROUND = prior.QUICK_TOP + 5
 """A sweep of at most this many candidates (the cost model's three picks and up to five it has no data
 on) compiles in the background; a larger one (no model yet: the whole pool) compiles in the call, unless
-the key has a loaded stand-in (:meth:`Tuner._stand_in`) to run meanwhile instead of the reference.
+the key has a loaded stand-in (:meth:`.stand_ins.StandIns.pick`) to run meanwhile instead of the reference.
 Measured on an H100 (street1 MinkUNet, fp16, no tunings at all): with every sweep in the background the
 first training step took 3.7 s but ~800 compile jobs kept the network on the reference (339 ms a step
 against 90) for over 40 s, while compiling in the call took 49 s and then ran tuned: fewer steps done in

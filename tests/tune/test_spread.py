@@ -158,7 +158,7 @@ def test_a_new_key_runs_what_its_nearest_settled_sibling_chose_untimed_then_swee
         monkeypatch.setattr(prior, "predicted", lambda *args, **kwargs: {})  # no cost model to pick from
         timed = len(_timed_entries())
         assert call(near) == ("fake_levels[level=1]", True)  # the sibling's winner, untimed
-        (near_key,) = _tuned_keys(tuner._stand_ins)
+        (near_key,) = _tuned_keys(tuner._stand_ins.memos())
         gaps = [abs(x - y) for x, y in zip(near_key.sizes, settled_key.sizes)]
         assert near_key.family == settled_key.family and max(gaps) == 2 and sum(gaps) <= 4, (near_key, settled_key)
         assert len(_timed_entries()) == timed  # nothing timed for it
