@@ -32,20 +32,15 @@ its choice to stand in (:meth:`StandIns.from_sibling`): a layer twice as large, 
 
 class StandIns:
     """The tuner's untimed runs: per memo, the stand-in run until the key is timed and whether its kernels are loaded
-    (it has run here); the choices settled on timings, by family (:class:`.siblings.Siblings`); and how many choices
-    were adopted from them."""
+    (it has run here); and the choices settled on timings, by family (:class:`.siblings.Siblings`)."""
 
     def __init__(self) -> None:
         self._held: dict[tuple, tuple[Candidate, bool]] = {}
         self.siblings = Siblings()
-        self.adoptions = 0
 
     def __len__(self) -> int:
         """Keys running a stand-in now."""
         return len(self._held)
-
-    def __contains__(self, memo: tuple) -> bool:
-        return memo in self._held
 
     def memos(self) -> list[tuple]:
         """The memos running a stand-in now."""
@@ -78,7 +73,6 @@ class StandIns:
         """``key`` (under ``memo``) settled on ``candidate``: its family learns it, and its stand-in goes."""
         self.siblings.record(memo, key, candidate)
         self._held.pop(memo, None)
-
 
     def pick(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence,
              a: torch.Tensor, memo: tuple, budget: TimingBudget, cache: TuneCache) -> Candidate | None:

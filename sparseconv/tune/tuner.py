@@ -60,6 +60,7 @@ class Tuner:
         self._ranks = ranks or Ranks()
         self.budget = budget or TimingBudget()
         self._stand_ins = StandIns()  # what keys run untimed
+        self._adoptions = 0  # choices _adopted settled
         # memo -> the candidates this process timed for it in earlier calls, while its sweep is spread over calls
         self._sweeps: dict[tuple, list[Candidate]] = {}
 
@@ -268,7 +269,7 @@ class Tuner:
         with self._lock:
             settled = sum(1 for memo in self._choices if isinstance(memo[0], TuneKey))
             untimed = len(self._stand_ins)
-        return Progress(settled, untimed, self.compiling(), self.budget.spent_s, self._stand_ins.adoptions)
+        return Progress(settled, untimed, self.compiling(), self.budget.spent_s, self._adoptions)
 
     def _decide(self, namespace: str, key: TuneKey, problem: ConvProblem, mode: AlgoMode, effort: str,
                 a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, memo: tuple = ()
@@ -358,7 +359,7 @@ class Tuner:
             return None
         with self._lock:
             choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
-            self._stand_ins.adoptions += 1
+            self._adoptions += 1
         return choice
 
     def _timed_elsewhere(self, namespace: str, encoded: str, problem: ConvProblem, pool: list[Candidate],
