@@ -135,28 +135,25 @@ def passes_child(args) -> None:
         after_phases.append(seconds)
     worst = max(range(len(after)), key=after.__getitem__)
     tuning = sparseconv.tune.progress()._asdict() if name == "ours" else None  # after the 20 passes
-    window = []  # (seconds after the first inference began, seconds of the pass) over --window
-    started = time.perf_counter()
-    while time.perf_counter() - started < args.window:
-        runner.use(clouds[2 + len(window) % (len(clouds) - 2)])
-        begin = time.perf_counter()
-        runner.infer()
-        sync(device)
-        window.append((begin - began, time.perf_counter() - begin))
     passes[f"worst of next 20 (#{worst + 1})"], phases[f"worst of next 20 (#{worst + 1})"] = after[worst], after_phases[worst]
-    if name == "ours":
-        import sparseconv.tune
 
-        running = not sparseconv.tune.wait_for_compiles(0)
-        compiled = sparseconv.tune.wait_for_compiles(args.timeout / 4)
-        compiles_done = (time.perf_counter() - began, running) if compiled else None
-    steady = []
-    for cloud in clouds[2:12]:
+    def inference(cloud) -> tuple[float, float]:
+        """(when it began, seconds after the first inference began; its seconds)"""
         runner.use(cloud)
         begin = time.perf_counter()
         runner.infer()
         sync(device)
-        steady.append(time.perf_counter() - begin)
+        return begin - began, time.perf_counter() - begin
+
+    running = name == "ours" and not sparseconv.tune.wait_for_compiles(0)  # after the 20 passes
+    window = []  # --window's inferences
+    started = time.perf_counter()
+    while time.perf_counter() - started < args.window:
+        window.append(inference(clouds[2 + len(window) % (len(clouds) - 2)]))
+    if name == "ours":
+        compiled = sparseconv.tune.wait_for_compiles(args.timeout / 4)
+        compiles_done = (time.perf_counter() - began, running) if compiled else None
+    steady = [inference(cloud)[1] for cloud in clouds[2:12]]
     measured("new scene inference", second[0], "infer")
     measured("new scene step", second[1], "step")
     print(json.dumps({"import torch": imported_torch, "import": imported, "model": built, "passes": passes,
