@@ -397,6 +397,12 @@ def profile_ours(scene: str, dtype, device, args) -> None:
             print(f"  {label}: span {seen['span']:.1f} ms, GPU busy {seen['busy']:.1f} ms "
                   f"({100 * seen['busy'] / max(seen['span'], 1e-9):.0f}%), {seen['kernels']:.0f} kernels, "
                   f"{seen['launches']:.0f} launch calls, {seen['sync ms']:.2f} ms in CUDA calls that may wait")
+            print("    idle ms a pass by gap: " + ", ".join(f"{band} {ms:.2f}" for band, ms in seen["idle"].items()))
+            print("    longest gaps (ms, kernel before, kernel after): " + "; ".join(
+                f"{ms:.2f} {before[:40]} -> {after[:40]}" for ms, before, after in seen["gaps"][:6]))
+            print("    kernels by GPU ms a pass (launches, ms, name):")
+            for name, (count, ms) in sorted(seen["by kernel"].items(), key=lambda kv: -kv[1][1])[:18]:
+                print(f"      {count:5.0f} {ms:7.3f}  {name[:100]}")
     for label in ("infer unseen", "step unseen"):
         profiler = cProfile.Profile()
         profiler.enable()

@@ -47,3 +47,6 @@ def test_the_gpu_busy_share_of_a_pass_is_measured():
     seen = gpu_busy(lambda: [a @ a for _ in range(4)], passes=2)
     assert seen["kernels"] >= 4 and seen["launches"] >= 4
     assert 0 < seen["busy"] <= seen["span"] + 1e-3
+    count, ms = max(seen["by kernel"].values(), key=lambda entry: entry[1])
+    assert count >= 4 and 0 < ms <= seen["busy"] + 1e-3  # the matmul's kernel, 4 a pass
+    assert sum(seen["idle"].values()) <= seen["span"] and all(gap >= 0 for gap, _, _ in seen["gaps"])

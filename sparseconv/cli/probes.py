@@ -95,12 +95,17 @@ def covered(intervals) -> float:
     return total
 
 
-def gpu_busy(fn, passes: int = 3) -> dict[str, float]:
+def gpu_busy(fn, passes: int = 3) -> dict[str, object]:
     """What ``passes`` calls of ``fn`` on a CUDA device leave the GPU doing (torch.profiler), per pass: "span" (ms
     from the first host event to the last), "busy" (ms during which some kernel ran: the union of their
     intervals), "kernels", "launches" (launch calls on the host), "sync ms" (host time inside the CUDA calls that
     can wait for the device: synchronisations and copies). A pass whose busy time is far under its span is bound
-    by the host, not by its kernels; its sync ms say whether the host waited or worked."""
+    by the host, not by its kernels; its sync ms say whether the host waited or worked.
+
+    Where the GPU time goes and where it idles: "by kernel" maps each kernel name to (launches, ms) a pass;
+    "idle" to the GPU's idle ms a pass between kernels in gaps under 20 µs (launch spacing), 20-200 µs and over
+    200 µs (host work before the next launch, or a wait); "gaps" lists the longest gaps over the passes, each as
+    (ms, the kernel before it, the kernel after it)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
         torch.cuda.synchronize()
@@ -109,13 +114,28 @@ def gpu_busy(fn, passes: int = 3) -> dict[str, float]:
         torch.cuda.synchronize()
     events = profile.events()
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    kernels = [(e.time_range.start, e.time_range.end) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = covered(kernels)
+    device = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy = covered([(start, end) for start, end, _ in device])
     span = max(e.time_range.end for e in host) - min(e.time_range.start for e in host) if host else 0.0
     waits = sum(e.time_range.end - e.time_range.start for e in host if e.name in SYNC_CALLS)
-    return {"span": span / 1e3 / passes, "busy": busy / 1e3 / passes, "kernels": len(kernels) / passes,
-            "launches": sum(e.name in LAUNCH_CALLS for e in host) / passes, "sync ms": waits / 1e3 / passes}
+    by_kernel = collections.defaultdict(lambda: [0, 0.0])
+    for start, end, name in device:
+        by_kernel[name][0] += 1
+        by_kernel[name][1] += end - start
+    idle, gaps, reach, before = collections.Counter(), [], float("-inf"), None
+    for start, end, name in device:
+        if before is not None and start > reach:
+            gap = start - reach
+            idle["under 20 us" if gap < 20 else "20-200 us" if gap < 200 else "over 200 us"] += gap
+            gaps.append((gap / 1e3, before, name))
+        if end > reach:
+            reach, before = end, name
+    return {"span": span / 1e3 / passes, "busy": busy / 1e3 / passes, "kernels": len(device) / passes,
+            "launches": sum(e.name in LAUNCH_CALLS for e in host) / passes, "sync ms": waits / 1e3 / passes,
+            "by kernel": {name: (count / passes, us / 1e3 / passes) for name, (count, us) in by_kernel.items()},
+            "idle": {band: us / 1e3 / passes for band, us in idle.items()},
+            "gaps": sorted(gaps, reverse=True)[:12]}
 
 
 PHASES = (
