@@ -49,6 +49,41 @@ def launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], *args, **o
 _READY: set[tuple] = set()
 """The launch keys :func:`launch_ready` launched (the interpreter's too, which :data:`_COMPILED` does not hold)."""
 
+
+class ReadyLaunch:
+    """:func:`launch_ready` of one kernel whose arguments stay but for those at ``varying`` (tensors and sizes
+    given to each call): where its last launches ran compiled for arguments specialised as these are, a call costs
+    the host the compiled kernel's launch and the specialisations of the varying arguments alone (an inference
+    norm's fused pass: ~10 arguments, whose key each call took most of its host time); otherwise, and while a
+    launch hook is installed, it is :func:`launch_ready`'s call."""
+
+    __slots__ = ("source", "args", "options", "varying", "_runners")
+
+    def __init__(self, source: tuple[Callable, str], args: Sequence, options: Mapping, varying: Sequence[int]):
+        self.source, self.args, self.options, self.varying = source, list(args), dict(options), tuple(varying)
+        self._runners: dict[tuple, tuple] = {}
+
+    def __call__(self, grid: tuple[int, ...], *values) -> bool:
+        """Launch on ``grid`` with ``values`` at the ``varying`` positions; False (launching nothing) where the
+        kernel is not compiled for them yet (:func:`launch_ready`)."""
+        args = self.args.copy()
+        for at, value in zip(self.varying, values):
+            args[at] = value
+        form = tuple(map(_specialisation, values))
+        runner = self._runners.get(form)
+        if runner is not None:
+            compiled, tail = runner
+            run(compiled, tuple(grid) + (1,) * (3 - len(grid)), (*args, *tail))
+            return True
+        if not launch_ready(self.source, grid, *args, **self.options):
+            return False
+        kernel = getattr(self.source[0](), self.source[1])
+        held = _COMPILED.get(_key(kernel, args, self.options, tuple(map(_specialisation, args))))
+        if held is not None:
+            compiled, trailing = held
+            self._runners[form] = (compiled, tuple(self.options[name] for name in trailing))
+        return True
+
 def warm_kernel(source: tuple[Callable, str], index: int, args: tuple, options: dict) -> None:
     """Compile ``source``'s kernel (see :func:`launch_ready`) for ``args`` (pointers as their dtype) on the
     GPU ``index`` (run in a compile worker)."""

@@ -8,6 +8,8 @@ never affect another's output, whatever the batch holds.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -17,6 +19,10 @@ from . import functional as F
 from .conv import SparseConv3d
 from .features import OnFeatures, ReLU, check_channels, features_of, unwatched
 
+
+_FUSED_LAUNCHES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+"""Each BatchNorm's prepared fused launches (:func:`~sparseconv.ops.features.norm_affine`'s ``kept``), apart from
+the module: they hold compiled kernels, which neither ``torch.save`` nor ``copy.deepcopy`` of a model may meet."""
 
 _NATIVE = torch.version.hip is None
 """Whether torch.batch_norm of (N, C) features is native_batch_norm (ROCm's MIOpen takes 2 dimensions)."""
@@ -62,7 +68,8 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
             other = features_of(residual, self)
             if other.shape != feats.shape:
                 return None  # the modules' own sum names the mismatch
-        out = norm_affine(feats, self.running_mean, self.running_var, self.weight, self.bias, self.eps, other, relu)
+        out = norm_affine(feats, self.running_mean, self.running_var, self.weight, self.bias, self.eps, other, relu,
+                          _FUSED_LAUNCHES.setdefault(self, {}))
         if out is None:
             scale, shift = self._affine(feats.dtype)
             out = channel_affine(feats, scale, shift, other, relu, inplace)

@@ -21,7 +21,7 @@ import torch
 
 from ..backends.mask_views import fused as _triton_runs
 from ..backends.triton_kernels import defined_once
-from ..backends.triton_launch import launch_ready
+from ..backends.triton_launch import ReadyLaunch, launch_ready
 
 BLOCK = 1024
 """Elements a program takes (Triton's default 4 warps: 8 a lane)."""
@@ -58,29 +58,73 @@ def channel_affine(feats: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
 
 def norm_affine(feats: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
                 weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                residual: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor | None:
+                residual: torch.Tensor | None = None, relu: bool = False, kept: dict | None = None
+                ) -> torch.Tensor | None:
     """``(feats - running_mean) / sqrt(running_var + eps) * weight + bias`` (an inference batch norm), plus
     ``residual`` if given, through a ReLU if ``relu``, in one kernel computing in fp32: a new tensor; None
     where the kernel does not run (operands it does not take, no GPU or interpreter, compiling in the
     background, under torch.compile): the caller makes the (scale, shift) pair for :func:`channel_affine`.
 
     feats: (N, C) float16/bfloat16/float32; running_mean, running_var, weight, bias: (C,) float of any
-    width on its device (weight, bias None: 1, 0); residual: (N, C) like feats.
+    width on its device (weight, bias None: 1, 0); residual: (N, C) like feats. ``kept``: a dict of the
+    caller's (a norm module's) where the launch prepared for these statistics is kept: its next calls check
+    the features and the residual only and launch the compiled kernel (:class:`_FusedNorm`).
     """
-    vectors = [v for v in (running_mean, running_var, weight, bias) if v is not None]
-    if torch.compiler.is_compiling() or not _fusable(feats, None, None, residual, vectors):
+    if torch.compiler.is_compiling():
         return None
-    out = torch.empty_like(feats)
-    numel = feats.numel()
-    if not numel:
-        return out
-    scale, shift = (weight if weight is not None else running_var), (bias if bias is not None else running_mean)
-    if launch_ready((_kernels, "norm_affine"), (-(-numel // BLOCK),), feats, running_mean, running_var, scale, shift,
-                    feats if residual is None else residual, out, numel, feats.shape[1], float(eps),
-                    BLOCK=BLOCK, WEIGHT=weight is not None, BIAS=bias is not None,
-                    RESIDUAL=residual is not None, RELU=relu):
-        return out
-    return None
+    slot = (feats.dtype, feats.device, residual is not None, relu)
+    held = None if kept is None else kept.get(slot)
+    if held is None or not held.fits(feats, running_mean, running_var, weight, bias, eps, residual):
+        vectors = [v for v in (running_mean, running_var, weight, bias) if v is not None]
+        if not _fusable(feats, None, None, residual, vectors):
+            return None
+        held = _FusedNorm(feats, running_mean, running_var, weight, bias, eps, residual is not None, relu)
+        if kept is not None:
+            kept[slot] = held
+    return held(feats, residual)
+
+
+class _FusedNorm:
+    """:func:`norm_affine`'s launch for one set of statistics and parameters (held, with their dtypes), one
+    features dtype and channel count: a call checks what may change between calls (the features, the residual,
+    the statistics' identity) and launches through :class:`~sparseconv.backends.triton_launch.ReadyLaunch`."""
+
+    __slots__ = ("vectors", "dtypes", "eps", "channels", "launch")
+
+    def __init__(self, feats: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                 weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, residual: bool, relu: bool):
+        self.vectors = (running_mean, running_var, weight, bias)
+        self.dtypes = tuple(None if v is None else v.dtype for v in self.vectors)
+        self.eps, self.channels = eps, feats.shape[1]
+        scale, shift = (weight if weight is not None else running_var), (bias if bias is not None else running_mean)
+        # (positions 0, 5, 6, 7: the features, the residual (the features where none), the output, its numel)
+        args = (None, running_mean, running_var, scale, shift, None, None, None, self.channels, float(eps))
+        self.launch = ReadyLaunch((_kernels, "norm_affine"), args,
+                                  dict(BLOCK=BLOCK, WEIGHT=weight is not None, BIAS=bias is not None,
+                                       RESIDUAL=residual, RELU=relu), (0, 5, 6, 7))
+
+    def fits(self, feats: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+             weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+             residual: torch.Tensor | None) -> bool:
+        """Whether this launch computes the norm of these operands (of the dtype and device it was made for)."""
+        held = self.vectors
+        if not (running_mean is held[0] and running_var is held[1] and weight is held[2] and bias is held[3]
+                and eps == self.eps and feats.dim() == 2 and feats.shape[1] == self.channels
+                and feats.is_contiguous()):
+            return False
+        if self.dtypes != tuple(None if v is None else v.dtype for v in held):
+            return False  # a statistic's .data replaced by another dtype's
+        return residual is None or (residual.shape == feats.shape and residual.dtype == feats.dtype
+                                    and residual.device == feats.device and residual.is_contiguous())
+
+    def __call__(self, feats: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        out = torch.empty_like(feats)
+        numel = feats.numel()
+        if not numel:
+            return out
+        if self.launch((-(-numel // BLOCK),), feats, feats if residual is None else residual, out, numel):
+            return out
+        return None
 
 
 def _fusable(feats: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,

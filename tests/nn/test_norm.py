@@ -195,8 +195,8 @@ def _count_fused(monkeypatch):
     calls = []
     from_statistics, from_pair = norm_module.norm_affine, norm_module.channel_affine
 
-    def statistics(feats, mean, var, weight, bias, eps, residual=None, relu=False):
-        out = from_statistics(feats, mean, var, weight, bias, eps, residual, relu)
+    def statistics(feats, mean, var, weight, bias, eps, residual=None, relu=False, kept=None):
+        out = from_statistics(feats, mean, var, weight, bias, eps, residual, relu, kept)
         if out is not None:
             calls.append((residual, relu))
         return out
@@ -302,3 +302,23 @@ def test_a_basic_blocks_inference_fuses_its_norms_and_matches_the_modules(device
         assert [call[0] is not None for call in calls] == [False, True], "norm1 with its ReLU, norm2 with the sum"
         assert torch.allclose(got.feats, expected, atol=1e-5)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_norm_that_ran_fused_can_be_copied_and_saved(device, tmp_path):
+    """The fused pass keeps its prepared launches apart from the module: deepcopy and torch.save see none."""
+    import copy
+
+    torch.manual_seed(5)
+    x = _batch(device, channels=8, dtype=torch.float32)
+    block = Sequential(SparseConv3d(8, 16, 3).to(device), _eval_norm(16, device, torch.float32), ReLU(inplace=True))
+    with torch.no_grad():
+        expected = block(x).feats
+        twin = copy.deepcopy(block)
+        torch.save(block, tmp_path / "block.pt")
+        loaded = torch.load(tmp_path / "block.pt", weights_only=False)
+        assert torch.allclose(twin(x).feats, expected, atol=1e-5)
+        assert torch.allclose(loaded(x).feats, expected, atol=1e-5)
+        twin[1].running_mean.add_(1.0)
+        assert not torch.allclose(twin(x).feats, expected, atol=1e-5), "the copy reads its own statistics"
+        assert torch.allclose(block(x).feats, expected, atol=1e-5)

@@ -104,3 +104,34 @@ def test_the_norm_from_its_statistics_declines_what_it_does_not_take(device):
     assert features.norm_affine(feats, mean, var.double(), weight, bias, 1e-5) is None, "float64 statistics"
     assert features.norm_affine(feats, mean[:32], var[:32], weight[:32], bias[:32], 1e-5) is None, "C mismatch"
     assert features.norm_affine(feats, mean, var, weight, bias, 1e-5, other.double()) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_kept_norm_launch_follows_its_statistics_and_what_replaces_them(device):
+    """norm_affine with ``kept`` (a norm module's launches): the same results as without, statistics changed in
+    place read at each call, a statistic replaced by another tensor (or another features dtype, a residual) a
+    launch of its own."""
+    feats, _, _, other = _operands(300, 48, torch.float16, device)
+    mean, var, weight, bias = _statistics(48, torch.float32, device, True)
+    kept = {}
+
+    def both(mean, var, residual=None, feats=feats):
+        got = features.norm_affine(feats, mean, var, weight, bias, 1e-3, residual, True, kept)
+        assert got is not None
+        assert torch.equal(got, features.norm_affine(feats, mean, var, weight, bias, 1e-3, residual, True))
+        return got
+
+    first = both(mean, var)
+    assert len(kept) == 1
+    assert torch.equal(both(mean, var), first)
+    mean.add_(1.0)  # a statistic updated in place (training): read at the next call
+    moved = both(mean, var)
+    assert not torch.equal(moved, first)
+    (slot, held), = kept.items()
+    replaced = var.clone().mul_(4)
+    both(mean, replaced)
+    assert kept[slot] is not held and kept[slot].vectors[1] is replaced, "another tensor: another launch"
+    both(mean, replaced, other)
+    both(mean, replaced, feats=feats.float())
+    assert len(kept) == 3, "a residual and another features dtype: their own slots"
+    assert features.norm_affine(feats[:, :32], mean[:32], var[:32], weight[:32], bias[:32], 1e-3, kept=kept) is None

@@ -327,3 +327,24 @@ def test_a_view_kernel_compiles_in_a_worker_while_torch_builds_the_view(monkeypa
     assert tune.wait_for_compiles(300)
     counts, starts = planned_views.pair_counts([kernel_map])
     assert starts == [0] and torch.equal(counts, (kernel_map.neighbors >= 0).sum(0))
+
+
+def test_a_ready_launch_gates_its_first_call_then_launches_direct_with_its_fixed_arguments(gate):
+    """ReadyLaunch: the gate's answer for each new form of the varying arguments (a tensor's dtype and alignment,
+    a size's specialisation), then direct launches with the fixed arguments in their places."""
+    Kernels.kernel.arg_names = ["a_ptr", "w_ptr", "out_ptr", "rows", "channels", "BLOCK"]
+    w, storage, out = torch.zeros(16), torch.zeros(128), torch.zeros(64)
+    ready = tk.ReadyLaunch((kernels_of, "kernel"), [None, w, None, None, 16], {"BLOCK": 4}, varying=(0, 2, 3))
+    a = storage[:64]
+    assert not ready((2,), a, out, 96), "not compiled yet: nothing launched"
+    assert Kernels.kernel.launches == []
+    assert ready((2,), a, out, 96) and ready((3,), a, out, 112)
+    assert ways(Kernels.kernel) == ["triton", "direct"]
+    grid, args = Kernels.kernel.launches[1][1:]
+    assert grid == (3, 1, 1) and args[0] is a and args[1] is w and args[2] is out and args[3:] == (112, 16, 4)
+    assert ready.args == [None, w, None, None, 16], "a call leaves the fixed arguments as they were"
+    asks = len(gate)
+    assert not ready((2,), a, out, 1), "a size of 1 is another binary: the gate asked again"
+    assert not ready((2,), storage[1:65], out, 96), "another alignment: another binary"
+    assert not ready((2,), a.half(), out, 96), "another dtype"
+    assert len(gate) == asks + 3 and ways(Kernels.kernel) == ["triton", "direct"]
