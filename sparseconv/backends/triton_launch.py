@@ -54,8 +54,8 @@ class ReadyLaunch:
     """:func:`launch_ready` of one kernel whose arguments stay but for those at ``varying`` (tensors and sizes
     given to each call): where its last launches ran compiled for arguments specialised as these are, a call costs
     the host the compiled kernel's launch and the specialisations of the varying arguments alone (an inference
-    norm's fused pass: ~10 arguments, whose key each call took most of its host time); otherwise, and while a
-    launch hook is installed, it is :func:`launch_ready`'s call."""
+    norm's fused pass: ~10 arguments, whose key each call took most of its host time); otherwise it is
+    :func:`launch_ready`'s call. While a launch hook is installed, :func:`run` goes through Triton's runner."""
 
     __slots__ = ("source", "args", "options", "varying", "_runners")
 
