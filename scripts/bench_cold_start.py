@@ -28,6 +28,13 @@ call, no shipped tunings), ``naive`` (every product pinned to explicit_gemm), an
     python scripts/bench_cold_start.py --scene street1 --dtype float16 --peers spconv
     python scripts/bench_cold_start.py --device cpu --dtype float32 --scale 0.05 --seconds 5 --peers   # dry run
 
+``--unseen N`` trains on a data set of N unseen clouds instead (new layouts and sizes, cycled, the same clouds in
+every configuration's process), and the settled GPU ms is the mean over its first clouds' steps; beside
+``ours_full`` it prints each configuration's settled GPU time over the fully tuned network's: how close the
+default tuning gets within --steps steps.
+
+    python scripts/bench_cold_start.py --scene street1 --unseen 24 --steps 200 --seconds 0 --configs ours ours_full --peers
+
 With ``--passes`` it runs instead a new user's first minutes, one fresh process per library (empty
 tuning, Triton, Warp and CuPy caches unless --warm-compilers): import torch, import the library, the
 first inference on one unseen cloud, the first training step on another, 20 inferences on further
@@ -45,6 +52,7 @@ inference began: how soon the passes reach the steady one while the compiles run
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -62,17 +70,25 @@ def child(args) -> None:
     """One configuration in this (fresh) process: print the step times as one JSON line."""
     import torch
 
-    from sparseconv.cli.bench import Runner, gpu_ms, scene_coords, sync
+    from sparseconv.cli.bench import Runner, gpu_ms, scene_coords, sync, unseen_clouds
 
-    device = torch.device(args.device)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     name = "ours" if args.config in OURS else args.config
     start = time.perf_counter()
-    coords = scene_coords(args.scene, args.scale).to(device)
-    runner = Runner(name, coords, getattr(torch, args.dtype), device)
+    # --unseen: a data set of that many clouds, the same in every configuration's process (the same seeds)
+    clouds = unseen_clouds(args.scene, args.unseen, dtype, device, args.scale) if args.unseen else []
+    coords = clouds[0].coords if clouds else scene_coords(args.scene, args.scale).to(device)
+    runner = Runner(name, coords, dtype, device)
     setup, steps, pending = time.perf_counter() - start, [], None
+
+    def step(index: int) -> None:
+        if clouds:
+            runner.use(clouds[index % len(clouds)])
+        runner.step()
+
     while not steps or (time.perf_counter() - start < args.seconds or len(steps) < args.steps):
         begin = time.perf_counter()
-        runner.step()
+        step(len(steps))
         sync(device)
         steps.append(time.perf_counter() - begin)
         if pending is None and name == "ours":
@@ -84,16 +100,24 @@ def child(args) -> None:
         import sparseconv.tune
 
         sparseconv.tune.wait_for_compiles(args.timeout / 4)
-    for _ in range(3):  # choices whose kernels compiled meanwhile run from here
-        runner.step()
+    for index in range(3):  # choices whose kernels compiled meanwhile run from here
+        step(len(steps) + index)
     settled = []
-    for _ in range(10):
+    for index in range(10):
         begin = time.perf_counter()
-        runner.step()
+        step(len(steps) + 3 + index)
         sync(device)
         settled.append(time.perf_counter() - begin)
+    # The kernels' time of a step: on the first EVAL clouds of the data set with --unseen (every configuration
+    # the same ones), their mean
+    gpu = [gpu_ms(functools.partial(step, index), device) for index in range(min(len(clouds), EVAL) or 1)]
     print(json.dumps({"setup_s": setup, "steps": steps, "pending": pending, "free_gb": free_gb,
-                      "settled_ms": 1e3 * statistics.median(settled), "gpu_ms": gpu_ms(runner.step, device)}))
+                      "settled_ms": 1e3 * statistics.median(settled),
+                      "gpu_ms": gpu[0] if isinstance(gpu[0], str) else statistics.mean(gpu)}))
+
+
+EVAL = 6
+"""--unseen: the clouds whose steps' GPU time is the settled GPU ms."""
 
 
 def passes_child(args) -> None:
@@ -228,7 +252,8 @@ def run_config(config: str, args) -> dict:
         command = [sys.executable, os.path.abspath(__file__), "--child", config, "--scene", args.scene,
                    "--dtype", args.dtype, "--device", args.device, "--scale", str(args.scale),
                    "--seconds", str(args.seconds), "--steps", str(args.steps), "--second-scene", args.second_scene,
-                   "--timeout", str(args.timeout), "--window", str(args.window)] + (["--passes"] if args.passes else [])
+                   "--timeout", str(args.timeout), "--window", str(args.window), "--unseen", str(args.unseen)]
+        command += ["--passes"] if args.passes else []
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -277,6 +302,9 @@ def main() -> None:
                              "(the background compiles' window: how soon the passes reach the steady one)")
     parser.add_argument("--warm-compilers", action="store_true",
                         help="--passes: keep Warp's, Triton's and CuPy's caches (a second process on the machine)")
+    parser.add_argument("--unseen", type=int, default=0,
+                        help="train on a data set of this many unseen clouds of --scene, cycled (new layouts and "
+                             "sizes, the same in every configuration), instead of one cloud's coordinates")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -285,14 +313,22 @@ def main() -> None:
     if args.passes:
         configs = [c for c in args.configs if c in OURS or c == "naive"] or ["ours"]
         return passes_table({config: run_config(config, args) for config in [*configs, *args.peers]}, args)
-    rows = [(config, summary(run_config(config, args), args.seconds)) for config in [*args.configs, *args.peers]]
+    results = {config: run_config(config, args) for config in [*args.configs, *args.peers]}
+    rows = [(config, summary(result, args.seconds)) for config, result in results.items()]
+    data = (f"a data set of {args.unseen} unseen clouds, cycled (settled GPU ms: the mean of its first "
+            f"{min(EVAL, args.unseen)} clouds' steps)" if args.unseen else "new coordinates every step")
     print(f"\nCold start, {args.scene} x{args.scale:g}, {args.dtype}, {args.device}, shipped tunings "
-          f"{'on' if args.shipped else 'off'}, empty tuning and Triton caches, new coordinates every step")
+          f"{'on' if args.shipped else 'off'}, empty tuning and Triton caches, {data}")
     header = ["library", "first step", "steady after", f"steps in {args.seconds:g} s", "steady step ms",
               "compiles left", "free GB", "settled step ms", "settled GPU ms"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for config, cells in rows:
         print("| " + " | ".join([config, *cells]) + " |")
+    full = results.get("ours_full", {}).get("gpu_ms")
+    for config, result in results.items():
+        if config != "ours_full" and isinstance(full, float) and isinstance(result.get("gpu_ms"), float):
+            print(f"{config}'s settled GPU time over ours_full's (every candidate timed): "
+                  f"{result['gpu_ms'] / full:.3f}x after {len(result['steps'])} steps")
 
 
 if __name__ == "__main__":
