@@ -34,6 +34,12 @@ def launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], *args, **o
     torch ops. A view kernel's first launch compiled it in the call (0.1-1.1 s each on an H100 host; a
     cold process's first MinkUNet inference compiled eight, 3.0 s of its 10 s). ``source``: the module
     function returning the kernels and the kernel's name (what a worker process looks it up by)."""
+    return _launch_ready(source, grid, args, options) is not False
+
+
+def _launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], args: Sequence, options: Mapping
+                  ) -> tuple | None | bool:
+    """:func:`launch_ready`'s launch: False where it launched nothing, else what :func:`_launch` returned."""
     kernel = getattr(source[0](), source[1])
     key = _key(kernel, args, options, tuple(map(_specialisation, args)))
     if key not in _READY and key not in _COMPILED:
@@ -41,23 +47,38 @@ def launch_ready(source: tuple[Callable, str], grid: tuple[int, ...], *args, **o
         if not compiling.kernel_ready(args[0], (source[1], key[1:]), warm_kernel,
                                       (source, key[1], warm_args, dict(options))):
             return False
-    _launch(kernel, grid, args, options, key)
+    held = _launch(kernel, grid, args, options, key)
     _READY.add(key)
-    return True
+    return held
 
 
 _READY: set[tuple] = set()
 """The launch keys :func:`launch_ready` launched (the interpreter's too, which :data:`_COMPILED` does not hold)."""
 
 
-class ReadyLaunch:
+class _Kept:
+    """A launch whose arguments ``args`` are fixed but for those at ``varying``, given to each call, with the
+    kernels compiled for it so far by the specialisation of the given ones (``form``): a call finding its form
+    launches the compiled kernel with its trailing options (:func:`run`), without Triton's launch or a key."""
+
+    __slots__ = ("args", "options", "varying", "_runners")
+
+    def _keep(self, form: tuple, held: tuple | None) -> None:
+        """Keep what :func:`_launch` returned (None: direct launches do not apply) for calls of ``form``."""
+        if held is not None:
+            compiled, trailing = held
+            # (the compiled kernel, the options it takes after the arguments): no closure per launch
+            self._runners[form] = (compiled, tuple(self.options[name] for name in trailing))
+
+
+class ReadyLaunch(_Kept):
     """:func:`launch_ready` of one kernel whose arguments stay but for those at ``varying`` (tensors and sizes
     given to each call): where its last launches ran compiled for arguments specialised as these are, a call costs
     the host the compiled kernel's launch and the specialisations of the varying arguments alone (an inference
     norm's fused pass: ~10 arguments, whose key each call took most of its host time); otherwise it is
     :func:`launch_ready`'s call. While a launch hook is installed, :func:`run` goes through Triton's runner."""
 
-    __slots__ = ("source", "args", "options", "varying", "_runners")
+    __slots__ = ("source",)
 
     def __init__(self, source: tuple[Callable, str], args: Sequence, options: Mapping, varying: Sequence[int]):
         self.source, self.args, self.options, self.varying = source, list(args), dict(options), tuple(varying)
@@ -75,14 +96,12 @@ class ReadyLaunch:
             compiled, tail = runner
             run(compiled, tuple(grid) + (1,) * (3 - len(grid)), (*args, *tail))
             return True
-        if not launch_ready(self.source, grid, *args, **self.options):
+        held = _launch_ready(self.source, grid, args, self.options)
+        if held is False:
             return False
-        kernel = getattr(self.source[0](), self.source[1])
-        held = _COMPILED.get(_key(kernel, args, self.options, tuple(map(_specialisation, args))))
-        if held is not None:
-            compiled, trailing = held
-            self._runners[form] = (compiled, tuple(self.options[name] for name in trailing))
+        self._keep(form, held)
         return True
+
 
 def warm_kernel(source: tuple[Callable, str], index: int, args: tuple, options: dict) -> None:
     """Compile ``source``'s kernel (see :func:`launch_ready`) for ``args`` (pointers as their dtype) on the
@@ -162,7 +181,7 @@ _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device
 _current_stream = current_stream
 
 
-class Bound:
+class Bound(_Kept):
     """One launch of ``kernel`` whose arguments are fixed but for the tensors at positions
     ``varying``, given to each call (a product's operands and output; the map's views, sizes and
     options stay). A call costs the host the compiled kernel's own launch and a look at the given
@@ -171,7 +190,7 @@ class Bound:
     the last map's without Triton's launch."""
 
     # Slots: a step makes ~80 of these, each instance dict another object for Python's collector.
-    __slots__ = ("grid", "kernel", "args", "options", "varying", "_specs", "_runners")
+    __slots__ = ("grid", "kernel", "_specs")
 
     def __init__(self, kernel, grid: tuple[int, ...], args: Sequence, options: Mapping, varying: Sequence[int]):
         # three dimensions, as a compiled kernel's launcher takes them (Triton's launch too)
@@ -195,11 +214,7 @@ class Bound:
         for at, tensor in zip(self.varying, tensors):
             specs[at] = _specialisation(tensor)
         key = _key(self.kernel, args, self.options, tuple(specs))
-        held = _launch(self.kernel, self.grid, args, self.options, key)
-        if held is not None:
-            compiled, trailing = held
-            # (the compiled kernel, the options it takes after the arguments): no closure per bound launch
-            self._runners[form] = (compiled, tuple(self.options[name] for name in trailing))
+        self._keep(form, _launch(self.kernel, self.grid, args, self.options, key))
 
     def template(self, positions: Sequence[int]) -> Bound:
         """This launch without its arguments at ``positions`` (a map's views): what :meth:`bind` fills

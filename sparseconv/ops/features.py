@@ -74,14 +74,38 @@ def norm_affine(feats: torch.Tensor, running_mean: torch.Tensor, running_var: to
         return None
     slot = (feats.dtype, feats.device, residual is not None, relu)
     held = None if kept is None else kept.get(slot)
-    if held is None or not held.fits(feats, running_mean, running_var, weight, bias, eps, residual):
-        vectors = [v for v in (running_mean, running_var, weight, bias) if v is not None]
-        if not _fusable(feats, None, None, residual, vectors):
-            return None
-        held = _FusedNorm(feats, running_mean, running_var, weight, bias, eps, residual is not None, relu)
-        if kept is not None:
-            kept[slot] = held
-    return held(feats, residual)
+    if held is not None and held.fits(feats, running_mean, running_var, weight, bias, eps, residual):
+        return held(feats, residual)
+    vectors = [v for v in (running_mean, running_var, weight, bias) if v is not None]
+    if not _fusable(feats, None, None, residual, vectors):
+        return None
+    if kept is not None:
+        held = kept[slot] = _FusedNorm(feats, running_mean, running_var, weight, bias, eps, residual is not None,
+                                       relu)
+        return held(feats, residual)
+    out = torch.empty_like(feats)
+    numel = feats.numel()
+    args, options = _norm_launch(running_mean, running_var, weight, bias, eps, feats.shape[1], residual is not None,
+                                 relu)
+    for at, value in zip(_CALL_ARGS, (feats, feats if residual is None else residual, out, numel)):
+        args[at] = value
+    if not numel or launch_ready((_kernels, "norm_affine"), (-(-numel // BLOCK),), *args, **options):
+        return out
+    return None
+
+
+def _norm_launch(running_mean: torch.Tensor, running_var: torch.Tensor, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None, eps: float, channels: int, residual: bool, relu: bool
+                 ) -> tuple[list, dict]:
+    """The ``norm_affine`` kernel's arguments and options but for those of a call (:data:`_CALL_ARGS`: None here)."""
+    scale, shift = (weight if weight is not None else running_var), (bias if bias is not None else running_mean)
+    args = [None, running_mean, running_var, scale, shift, None, None, None, channels, float(eps)]
+    return args, dict(BLOCK=BLOCK, WEIGHT=weight is not None, BIAS=bias is not None, RESIDUAL=residual, RELU=relu)
+
+
+_CALL_ARGS = (0, 5, 6, 7)
+"""The positions of a call's own ``norm_affine`` arguments: the features, the residual (the features where none),
+the output and its numel."""
 
 
 class _FusedNorm:
@@ -96,12 +120,8 @@ class _FusedNorm:
         self.vectors = (running_mean, running_var, weight, bias)
         self.dtypes = tuple(None if v is None else v.dtype for v in self.vectors)
         self.eps, self.channels = eps, feats.shape[1]
-        scale, shift = (weight if weight is not None else running_var), (bias if bias is not None else running_mean)
-        # (positions 0, 5, 6, 7: the features, the residual (the features where none), the output, its numel)
-        args = (None, running_mean, running_var, scale, shift, None, None, None, self.channels, float(eps))
-        self.launch = ReadyLaunch((_kernels, "norm_affine"), args,
-                                  dict(BLOCK=BLOCK, WEIGHT=weight is not None, BIAS=bias is not None,
-                                       RESIDUAL=residual, RELU=relu), (0, 5, 6, 7))
+        args, options = _norm_launch(running_mean, running_var, weight, bias, eps, self.channels, residual, relu)
+        self.launch = ReadyLaunch((_kernels, "norm_affine"), args, options, _CALL_ARGS)
 
     def fits(self, feats: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
              weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
@@ -122,7 +142,7 @@ class _FusedNorm:
         numel = feats.numel()
         if not numel:
             return out
-        if self.launch((-(-numel // BLOCK),), feats, feats if residual is None else residual, out, numel):
+        if self.launch((-(-numel // BLOCK),), feats, feats if residual is None else residual, out, numel):  # _CALL_ARGS
             return out
         return None
 
