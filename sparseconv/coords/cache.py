@@ -18,7 +18,7 @@ import torch
 
 from . import plan
 from .batch import Batch, Builders
-from .floors import floor_sets
+from .floors import FloorSets, floor_sets
 from .hashing import CoordHashTable, cell_neighbors, generate_set, tiles_its_cells
 from .keys import COORD_MAX, COORD_MIN, floor_masks, floors_by_mask, pack_coords, range_violation, unpack_keys
 from .kernel_map import KernelMap, KernelMapKey, Triple, center_offset, offset_deltas
@@ -41,11 +41,14 @@ class CoordinateCache:
         self._moved: weakref.WeakValueDictionary[str, CoordinateCache] = weakref.WeakValueDictionary()
         self._checks: Callable[[], int] | None = None
         self._origins: dict[int, tuple] = {}  # generated sets: how the input's canonical sets generate them
+        self._cells: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
 
     def add(self, coords: torch.Tensor, stride: Triple, canonical: bool, keys: torch.Tensor | None = None,
-            table: CoordHashTable | None = None) -> int:
+            table: CoordHashTable | None = None, floor_of: tuple[int, FloorSets, int] | None = None) -> int:
         """Register a coordinate set (and its packed keys and hash table, if made already) and return
-        its id (canonical only if the stride has none yet)."""
+        its id (canonical only if the stride has none yet). ``floor_of``: (set id, :func:`floor_sets` of its keys,
+        level) where the set is that level of those floors: on a CPU a map from that set onto this one whose window
+        tiles its cells reads each row's cell from them (:meth:`query`)."""
         canonical = canonical and stride not in self._canonical
         self._sets.append(CoordSet(coords, stride, canonical))
         set_id = len(self._sets) - 1
@@ -55,6 +58,9 @@ class CoordinateCache:
             self._keys[set_id] = keys
         if table is not None:
             self._tables[set_id] = table
+        if floor_of is not None and self.device.type == "cpu":  # (cell_neighbors: a CPU's query alone)
+            source, floors, level = floor_of
+            self._cells[(source, set_id)] = functools.partial(floors.cells, level)
         return set_id
 
     def defer_checks(self, checks: Callable[[], int]) -> None:
@@ -219,8 +225,9 @@ class CoordinateCache:
             return self.table(key.source).self_neighbors(out.coords, offsets)
         if self.device.type == "cpu" and self._tiles(key):
             source = self._sets[key.source]
+            cells = self._cells.get((key.source, out_id))
             return cell_neighbors(self.table(out_id), out.coords.shape[0], source.coords, source.stride,
-                                  key.kernel_size)
+                                  key.kernel_size, None if cells is None else cells())
         return self.table(key.source).neighbors(out.coords, offsets)
 
     @staticmethod
@@ -272,7 +279,8 @@ class CoordinateCache:
             # low bits of each packed field: one AND, and the result stays in range (the set and its
             # table as the map plan makes them, :func:`floor_sets`).
             coarse = floor_sets(self.keys(key.source), floor_masks((out_stride,), self.device))
-            return self.add(coarse.coords, out_stride, canonical=source.canonical, keys=coarse.keys, table=coarse.table)
+            return self.add(coarse.coords, out_stride, canonical=source.canonical, keys=coarse.keys, table=coarse.table,
+                            floor_of=(key.source, coarse, 0))
         self.settle()  # the host reads the coordinates here: the input's own checks first
         step = on_device((1, *out_stride), self.device)
         coarse = torch.div(source.coords, step, rounding_mode="floor") * step

@@ -26,6 +26,15 @@ class FloorSets(NamedTuple):
     table: CoordHashTable
     """Every set's table: set ``l``'s is the ``capacity`` slots from ``l * capacity`` of its arrays."""
     capacity: int
+    slots: torch.Tensor
+    """(L * N,) int32, level after level: the slot of each input row's cell in its level's table (from the level's
+    first slot), whose value is the cell's row in its set (:meth:`cells`)."""
+
+    def cells(self, level: int) -> torch.Tensor:
+        """(N,) int64: each input row's row in set ``level`` (the cell it lies in)."""
+        n = self.slots.shape[0] // len(self.counts)
+        values = self.table.values[level * self.capacity: (level + 1) * self.capacity]
+        return values[self.slots[level * n: (level + 1) * n].long()].long()
 
 
 def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:
@@ -45,9 +54,12 @@ def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:
     table = _floor_table(levels, capacity, keys.device)
     if n == 0:
         empty = torch.empty((0,), dtype=torch.int64, device=keys.device)
-        return FloorSets(empty, unpack_keys(empty), [0] * levels, table, capacity)
+        return FloorSets(empty, unpack_keys(empty), [0] * levels, table, capacity,
+                         torch.empty((0,), dtype=torch.int32, device=keys.device))
     device = keys.device
-    marks = _floor_ranks(keys, masks, table, capacity, torch.empty((levels * n,), dtype=torch.int32, device=device))
+    # marks and slots in one allocation
+    marks, slots = torch.empty((2, levels * n), dtype=torch.int32, device=device).unbind()
+    marks = _floor_ranks(keys, masks, table, capacity, marks, slots)
     ends = marks[n - 1:: n].tolist()  # the one host read: where each set ends
     counts = [end - start for start, end in zip([0, *ends], ends)]
     total = ends[-1]
@@ -56,8 +68,8 @@ def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:
     coords = torch.empty((total, 4), dtype=torch.int32, device=device)
     none = torch.empty((0,), dtype=torch.int64, device=device)  # (packed by rank, not into a fixed layout)
     warp_launch.launch(warp_launch.kernels().floor_compact, (levels, n),
-                       [keys, masks, table.keys, capacity - 1, marks, unique, coords, table.values, none, none], device)
-    return FloorSets(unique, coords, counts, table, capacity)
+                       [keys, masks, slots, capacity - 1, marks, unique, coords, table.values, none, none], device)
+    return FloorSets(unique, coords, counts, table, capacity, slots)
 
 
 def _floor_table(levels: int, capacity: int, device: torch.device, into: torch.Tensor | None = None) -> CoordHashTable:
@@ -74,15 +86,16 @@ def _table_in(buffer: torch.Tensor, levels: int, capacity: int) -> CoordHashTabl
     return CoordHashTable(table_keys, values.view(torch.int32))
 
 
-def _floor_ranks(keys: torch.Tensor, masks: torch.Tensor, table: CoordHashTable, capacity: int, marks: torch.Tensor
-                 ) -> torch.Tensor:
+def _floor_ranks(keys: torch.Tensor, masks: torch.Tensor, table: CoordHashTable, capacity: int, marks: torch.Tensor,
+                 slots: torch.Tensor) -> torch.Tensor:
     """The inserts of every level's cells into ``table`` and each (level, row)'s inclusive rank among every level's
-    cells where it is its cell's first row: ``marks`` ((levels * N,) int32, level after level, as the kernels index)."""
+    cells where it is its cell's first row: ``marks`` ((levels * N,) int32, level after level, as the kernels index),
+    and into ``slots`` (the same layout) each row's cell's slot. The kernels after the insert read the slots (the
+    insert's probes, once a row and level) instead of probing the table again."""
     kernels, device, n = warp_launch.kernels(), keys.device, keys.shape[0]
-    warp_launch.launch(kernels.floor_insert, (masks.shape[0], n), [keys, masks, table.keys, table.values, capacity - 1],
-                       device)
-    warp_launch.launch(kernels.floor_firsts, (masks.shape[0], n),
-                       [keys, masks, table.keys, table.values, capacity - 1, marks], device)
+    warp_launch.launch(kernels.floor_insert, (masks.shape[0], n),
+                       [keys, masks, table.keys, table.values, capacity - 1, slots], device)
+    warp_launch.launch(kernels.floor_firsts, (masks.shape[0], n), [slots, n, table.values, capacity - 1, marks], device)
     # In place, over all levels at once: each cell's rank among every level's cells, which is its row in the
     # sets laid out set after set (street4's 4 levels: 6 MB). One scan of the whole array is CUB's; torch
     # scanned a (levels, n) view row by row in 487 µs of GPU time at street4 (H200), this takes a few.
@@ -104,6 +117,8 @@ class FixedFloors(NamedTuple):
     """Every level's table (:func:`_floor_table`), ``capacity`` slots each."""
     capacity: int
     marks: torch.Tensor
+    slots: torch.Tensor
+    """(levels * rows,) int32: :attr:`FloorSets.slots` of the last floors."""
     layout: torch.Tensor
     """(2, levels) int64 on the device: the bases, then the capacities (the compaction reads them)."""
 
@@ -118,7 +133,7 @@ class FixedFloors(NamedTuple):
         return cls(torch.empty((total,), dtype=torch.int64, device=device),
                    torch.empty((total, 4), dtype=torch.int32, device=device), bases, list(capacities),
                    torch.empty((levels * capacity * 3 // 2,), dtype=torch.int64, device=device), capacity,
-                   torch.empty((levels * max(rows, 1),), dtype=torch.int32, device=device), layout)
+                   *torch.empty((2, levels * max(rows, 1)), dtype=torch.int32, device=device).unbind(), layout)
 
     def table(self) -> CoordHashTable:
         """The levels' tables (valid after :func:`floor_sets_into`): level ``l``'s is the :attr:`capacity` slots
@@ -141,8 +156,9 @@ def floor_sets_into(keys: torch.Tensor, masks: torch.Tensor, floors: FixedFloors
     floors.coords.fill_(-1)
     if n == 0:
         return torch.zeros((levels,), dtype=torch.int64, device=keys.device)
-    marks = _floor_ranks(keys, masks, table, floors.capacity, floors.marks[: levels * n])
+    slots = floors.slots[: levels * n]
+    marks = _floor_ranks(keys, masks, table, floors.capacity, floors.marks[: levels * n], slots)
     warp_launch.launch(warp_launch.kernels().floor_compact, (levels, n),
-                       [keys, masks, table.keys, floors.capacity - 1, marks, floors.keys, floors.coords, table.values,
+                       [keys, masks, slots, floors.capacity - 1, marks, floors.keys, floors.coords, table.values,
                         floors.layout[0], floors.layout[1]], keys.device)
     return marks[n - 1:: n].to(torch.int64)

@@ -224,28 +224,30 @@ def query_many(coords: Sequence[torch.Tensor], offsets: torch.Tensor, tables: Se
 
 
 def cell_neighbors(coarse: CoordHashTable, rows: int, fine: torch.Tensor, fine_stride: tuple[int, int, int],
-                   kernel_size: tuple[int, int, int]) -> torch.Tensor:
+                   kernel_size: tuple[int, int, int], found: torch.Tensor | None = None) -> torch.Tensor:
     """The (rows, K) int32 neighbour table of a strided conv whose kernel is its stride (sizes 1 or 2, undilated:
     :func:`tiles_its_cells`) from ``fine`` (N, 4) int32 coordinates at ``fine_stride`` onto the coarse set of
     ``rows`` rows that ``coarse`` holds (their floors): each fine row lies in one cell, at one offset, so one
     lookup a fine row (its cell's, always found) makes the table, where a query makes one a (cell, offset), most
-    of them missing (8 a cell for 1.6 fine rows a cell at street1's first stride: 14.6 -> ~5 ms on a 2-core CPU)."""
+    of them missing (8 a cell for 1.6 fine rows a cell at street1's first stride: 14.6 -> ~5 ms on a 2-core CPU).
+    ``found``: (N,) each fine row's coarse row where known (the floors that made the coarse set: no lookup)."""
     volume = kernel_size[0] * kernel_size[1] * kernel_size[2]
     steps = [f * k for f, k in zip(fine_stride, kernel_size)]
     on = {"dtype": torch.int32, "device": fine.device}
     if all(v & (v - 1) == 0 for v in (*steps, *fine_stride)):  # powers of two: masks and shifts (a floor
         # division of int32 costs a 2-core CPU ~1 ms a 92k x 3 array)
         low = fine[:, 1:] & torch.tensor([v - 1 for v in steps], **on)
-        cells = fine[:, 1:] - low
+        cells = fine[:, 1:] - low if found is None else None
         inside = low >> torch.tensor([v.bit_length() - 1 for v in fine_stride], **on)
     else:
         cells = torch.div(fine[:, 1:], torch.tensor(steps, **on), rounding_mode="floor") * torch.tensor(steps, **on)
         inside = torch.div(fine[:, 1:] - cells, torch.tensor(fine_stride, **on), rounding_mode="floor")
     # (inside: (N, 3) in [0, k), the offset j - (k - 1) // 2 = j for sizes 1 and 2)
     offset = (inside[:, 0] * kernel_size[1] + inside[:, 1]) * kernel_size[2] + inside[:, 2]
-    cell = coarse.neighbors(torch.cat([fine[:, :1], cells], dim=1), torch.zeros((1, 3), dtype=torch.int32))[:, 0]
+    if found is None:
+        found = coarse.neighbors(torch.cat([fine[:, :1], cells], dim=1), torch.zeros((1, 3), dtype=torch.int32))[:, 0]
     table = torch.full((rows * volume,), -1, dtype=torch.int32, device=fine.device)
-    table[cell.long() * volume + offset] = torch.arange(fine.shape[0], dtype=torch.int32, device=fine.device)
+    table[found.long() * volume + offset] = torch.arange(fine.shape[0], dtype=torch.int32, device=fine.device)
     return table.view(rows, volume)
 
 

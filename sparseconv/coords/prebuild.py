@@ -139,8 +139,9 @@ def _add_levels(cache: CoordinateSets, strides: list[Triple]) -> Levels:
     # Each array split at once (one torch op each, where a slice a set and array took four a level)
     parts = zip(strides, sets.coords.split(sets.counts), sets.keys.split(sets.counts),
                 sets.table.keys.split(sets.capacity), sets.table.values.split(sets.capacity))
-    for stride, coords, keys, table_keys, table_values in parts:
-        cache.add(coords, stride, canonical=True, keys=keys, table=CoordHashTable(table_keys, table_values))
+    for level, (stride, coords, keys, table_keys, table_values) in enumerate(parts):
+        cache.add(coords, stride, canonical=True, keys=keys, table=CoordHashTable(table_keys, table_values),
+                  floor_of=(0, sets, level))
     return Levels(sets.coords, sets.table)
 
 

@@ -201,33 +201,36 @@ def define() -> SimpleNamespace:
         table_keys: wp.array(dtype=wp.int64),
         first: wp.array(dtype=wp.int32),
         mask: wp.int64,
+        slots: wp.array(dtype=wp.int32),
     ):
         # Thread (l, i): input row i's cell at level l (its key AND masks[l]) into level l's table (the
         # mask + 1 slots from l * (mask + 1)); the slot's value keeps the cell's first row as n - row,
-        # the largest (first filled with -1).
+        # the largest (first filled with -1). slots[l * n + i]: the slot (from the level's base; -1 if full),
+        # which the kernels after read instead of probing the table again.
         level, i = wp.tid()
         n = wp.int64(keys.shape[0])
         base = wp.int64(level) * (mask + wp.int64(1))
         slot = floor_slot(keys[i] & masks[level], table_keys, base, mask)
+        slots[wp.int64(level) * n + wp.int64(i)] = wp.int32(slot)
         if slot >= wp.int64(0):
             wp.atomic_max(first, base + slot, wp.int32(n - wp.int64(i)))
 
     @wp.kernel
     def floor_firsts(
-        keys: wp.array(dtype=wp.int64),
-        masks: wp.array(dtype=wp.int64),
-        table_keys: wp.array(dtype=wp.int64),
+        slots: wp.array(dtype=wp.int32),
+        n: wp.int64,
         first: wp.array(dtype=wp.int32),
         mask: wp.int64,
         marks: wp.array(dtype=wp.int32),
     ):
-        # marks[l * n + i] = 1 where row i is its level-l cell's first row (after floor_insert), else 0.
+        # marks[l * n + i] = 1 where row i is its level-l cell's first row (after floor_insert, whose slots it
+        # reads), else 0.
         level, i = wp.tid()
-        n = wp.int64(keys.shape[0])
-        base = wp.int64(level) * (mask + wp.int64(1))
-        slot = floor_slot(keys[i] & masks[level], table_keys, base, mask)
-        marks[wp.int64(level) * n + wp.int64(i)] = wp.where(
-            slot >= wp.int64(0) and first[base + slot] == wp.int32(n - wp.int64(i)), wp.int32(1), wp.int32(0))
+        at = wp.int64(level) * n + wp.int64(i)
+        slot = wp.int64(slots[at])
+        marks[at] = wp.where(slot >= wp.int64(0)
+                             and first[wp.int64(level) * (mask + wp.int64(1)) + slot] == wp.int32(n - wp.int64(i)),
+                             wp.int32(1), wp.int32(0))
 
     @wp.func
     def ranked_row(ranks: wp.array(dtype=wp.int32), at: wp.int64) -> wp.int64:
@@ -255,7 +258,7 @@ def define() -> SimpleNamespace:
     def floor_compact(
         keys: wp.array(dtype=wp.int64),
         masks: wp.array(dtype=wp.int64),
-        table_keys: wp.array(dtype=wp.int64),
+        slots: wp.array(dtype=wp.int32),
         mask: wp.int64,
         ranks: wp.array(dtype=wp.int32),
         out_keys: wp.array(dtype=wp.int64),
@@ -266,8 +269,8 @@ def define() -> SimpleNamespace:
     ):
         # ranks: the marks' inclusive prefix sums over all levels, level after level. The first row of
         # each cell (its rank one above the entry before's) writes the cell at its rank among every
-        # level's cells, unpacked, and its rank within its level's set into its table slot (that slot's
-        # first-row value is read no more). Where set_bases is given (a fixed layout: floor_sets_into),
+        # level's cells, unpacked, and its rank within its level's set into its table slot (floor_insert's
+        # slots; that slot's first-row value is read no more). Where set_bases is given (a fixed layout: floor_sets_into),
         # level l's set is written from row set_bases[l] instead, at most set_capacities[l] rows of it:
         # a cell past them is not written and its slot holds -1 (found as absent, never a row past them).
         level, i = wp.tid()
@@ -279,8 +282,7 @@ def define() -> SimpleNamespace:
         if level > 0:
             start = wp.int64(ranks[wp.int64(level) * n - wp.int64(1)])
         key = keys[i] & masks[level]
-        base = wp.int64(level) * (mask + wp.int64(1))
-        slot = base + floor_slot(key, table_keys, base, mask)
+        slot = wp.int64(level) * (mask + wp.int64(1)) + wp.int64(slots[wp.int64(level) * n + wp.int64(i)])
         local = row - start
         if set_bases.shape[0] > 0:
             if local >= set_capacities[level]:
