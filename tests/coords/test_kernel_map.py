@@ -199,6 +199,9 @@ def test_floor_sets_list_each_cell_once_in_first_row_order_with_tables_that_find
         found = table.neighbors(sets.coords[part], probe).tolist()
         assert [f[0] for f in found] == list(range(len(expected)))
         assert [f[1] for f in found] == [expected.get((c[0], c[1] + stride[0], *c[2:]), -1) for c in expected]
+        # each input row's row in the set (its cell's), from the slots the inserts kept
+        cells = [expected[(row[0], *[(c // s) * s for c, s in zip(row[1:], stride)])] for row in rows.tolist()]
+        assert sets.cells(level).tolist() == cells, f"stride {stride}"
         firsts += sets.counts[level]
 
 
