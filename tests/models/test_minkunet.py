@@ -85,6 +85,16 @@ def test_a_training_pass_queries_each_distinct_map_once_and_the_next_batch_all_a
         return launch(kernel, dim, inputs, device)
 
     monkeypatch.setattr(warp_launch, "launch", counting)
+    from sparseconv.coords import cache as coordinate_cache
+
+    cell_neighbors = coordinate_cache.cell_neighbors
+
+    def from_floors(*args):  # a k2 s2 map on a CPU whose cells the floors gave: built, with no query launch
+        if args[-1] is not None:
+            queried.append("floors")
+        return cell_neighbors(*args)
+
+    monkeypatch.setattr(coordinate_cache, "cell_neighbors", from_floors)
     at_prebuild = []
     build = prebuild.build
     monkeypatch.setattr(prebuild, "build", lambda *args: (lambda built: at_prebuild.append(len(queried)) or built)(
@@ -96,7 +106,8 @@ def test_a_training_pass_queries_each_distinct_map_once_and_the_next_batch_all_a
         model(x).feats.square().sum().backward()
         maps = {(m.num_out, m.num_in, m.kernel_volume) for m in x.cache.kernel_maps() if m.transpose_of is None}
         # The stem's and each level's submanifold 3^3 map, and the four k2 s2 maps (their transposes
-        # serve the decoder and every dgrad; the 1x1 convs need none): nine queries, each map once.
+        # serve the decoder and every dgrad; the 1x1 convs need none): nine queries (or builds from the
+        # floors' cells), each map once.
         assert len(maps) == 9 and len(queried) == 9
     # The second batch's nine queries all ran inside its first map request.
     assert at_prebuild == [9]
