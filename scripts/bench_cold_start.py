@@ -31,7 +31,7 @@ call, no shipped tunings), ``naive`` (every product pinned to explicit_gemm), an
 ``--unseen N`` trains on a data set of N unseen clouds instead (new layouts and sizes, cycled, the same clouds in
 every configuration's process), and the settled GPU ms is the mean over its first clouds' steps; beside
 ``ours_full`` it prints each configuration's settled GPU time over the fully tuned network's: how close the
-default tuning gets within --steps steps.
+default tuning gets within --steps steps, with the tuner's progress at the end and the kernels of most GPU time in a settled step.
 
     python scripts/bench_cold_start.py --scene street1 --unseen 24 --steps 200 --seconds 0 --configs ours ours_full --peers
 
@@ -111,9 +111,24 @@ def child(args) -> None:
     # The kernels' time of a step: on the first EVAL clouds of the data set with --unseen (every configuration
     # the same ones), their mean
     gpu = [gpu_ms(functools.partial(step, index), device) for index in range(min(len(clouds), EVAL) or 1)]
-    print(json.dumps({"setup_s": setup, "steps": steps, "pending": pending, "free_gb": free_gb,
-                      "settled_ms": 1e3 * statistics.median(settled),
-                      "gpu_ms": gpu[0] if isinstance(gpu[0], str) else statistics.mean(gpu)}))
+    result = {"setup_s": setup, "steps": steps, "pending": pending, "free_gb": free_gb,
+              "settled_ms": 1e3 * statistics.median(settled),
+              "gpu_ms": gpu[0] if isinstance(gpu[0], str) else statistics.mean(gpu)}
+    if clouds:  # where that GPU time goes, and where the tuning stands
+        if name == "ours":
+            import sparseconv.tune
+
+            result["progress"] = sparseconv.tune.progress()._asdict()
+        if device.type == "cuda":
+            from sparseconv.cli.probes import gpu_busy
+
+            by_kernel = gpu_busy(functools.partial(step, 0), passes=1)["by kernel"]
+            result["kernels"] = sorted(([name, *cost] for name, cost in by_kernel.items()), key=lambda k: -k[2])[:KERNELS]
+    print(json.dumps(result))
+
+
+KERNELS = 10
+"""--unseen: the kernels of most GPU time in a settled step on the first cloud, printed per configuration."""
 
 
 EVAL = 6
@@ -324,6 +339,11 @@ def main() -> None:
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for config, cells in rows:
         print("| " + " | ".join([config, *cells]) + " |")
+    for config, result in results.items():
+        if "progress" in result:
+            print(f"{config}'s tuning at the end: {result['progress']}")
+        for name, launches, ms in result.get("kernels", []):
+            print(f"  {config} {ms:7.3f} ms {launches:5.0f} launches  {name[:90]}")
     full = results.get("ours_full", {}).get("gpu_ms")
     for config, result in results.items():
         if config != "ours_full" and isinstance(full, float) and isinstance(result.get("gpu_ms"), float):
