@@ -30,8 +30,9 @@ call, no shipped tunings), ``naive`` (every product pinned to explicit_gemm), an
 
 ``--unseen N`` trains on a data set of N unseen clouds instead (new layouts and sizes, cycled, the same clouds in
 every configuration's process), and the settled GPU ms is the mean over its first clouds' steps; beside
-``ours_full`` it prints each configuration's settled GPU time over the fully tuned network's: how close the
-default tuning gets within --steps steps, with the tuner's progress at the end and the kernels of most GPU time in a settled step.
+``ours_full`` it prints each configuration's settled GPU time over the fully tuned network's (how close the
+default tuning gets within --steps steps), the tuner's progress at the end and the kernels of most GPU time in a
+settled step.
 
     python scripts/bench_cold_start.py --scene street1 --unseen 24 --steps 200 --seconds 0 --configs ours ours_full --peers
 
@@ -123,7 +124,8 @@ def child(args) -> None:
             from sparseconv.cli.probes import gpu_busy
 
             by_kernel = gpu_busy(functools.partial(step, 0), passes=1)["by kernel"]
-            result["kernels"] = sorted(([name, *cost] for name, cost in by_kernel.items()), key=lambda k: -k[2])[:KERNELS]
+            kernels = sorted(([name, *cost] for name, cost in by_kernel.items()), key=lambda kernel: -kernel[2])
+            result["kernels"] = kernels[:KERNELS]
     print(json.dumps(result))
 
 

@@ -270,9 +270,10 @@ def define() -> SimpleNamespace:
         # ranks: the marks' inclusive prefix sums over all levels, level after level. The first row of
         # each cell (its rank one above the entry before's) writes the cell at its rank among every
         # level's cells, unpacked, and its rank within its level's set into its table slot (floor_insert's
-        # slots; that slot's first-row value is read no more). Where set_bases is given (a fixed layout: floor_sets_into),
-        # level l's set is written from row set_bases[l] instead, at most set_capacities[l] rows of it:
-        # a cell past them is not written and its slot holds -1 (found as absent, never a row past them).
+        # slots; that slot's first-row value is read no more). Where set_bases is given (a fixed layout:
+        # floor_sets_into), level l's set is written from row set_bases[l] instead, at most set_capacities[l]
+        # rows of it: a cell past them is not written and its slot holds -1 (found as absent, never a row past
+        # them).
         level, i = wp.tid()
         n = wp.int64(keys.shape[0])
         row = ranked_row(ranks, wp.int64(level) * n + wp.int64(i))
