@@ -154,6 +154,7 @@ class CoordinateCache:
         tables the last batches queried again after their plan (a map the plan does not make: a
         generative conv's, a pool's of another size); :meth:`table` builds a dropped one again."""
         keep = self.batch.record.keep_tables
+        self._cells.clear()  # (the floors' cells hold their tables too; a later map looks its cells up)
         for set_id in list(self._tables):
             if self._sets[set_id].stride not in keep:
                 table = self._tables.pop(set_id)
