@@ -31,10 +31,10 @@ class FloorSets(NamedTuple):
     first slot), whose value is the cell's row in its set (:meth:`cells`)."""
 
     def cells(self, level: int) -> torch.Tensor:
-        """(N,) int64: each input row's row in set ``level`` (the cell it lies in)."""
+        """(N,) int32: each input row's row in set ``level`` (the cell it lies in)."""
         n = self.slots.shape[0] // len(self.counts)
         values = self.table.values[level * self.capacity: (level + 1) * self.capacity]
-        return values[self.slots[level * n: (level + 1) * n].long()].long()
+        return values[self.slots[level * n: (level + 1) * n].long()]
 
 
 def floor_sets(keys: torch.Tensor, masks: torch.Tensor) -> FloorSets:

@@ -134,8 +134,7 @@ class _FusedNorm:
             return False
         if self.dtypes != tuple(None if v is None else v.dtype for v in held):
             return False  # a statistic's .data replaced by another dtype's
-        return residual is None or (residual.shape == feats.shape and residual.dtype == feats.dtype
-                                    and residual.device == feats.device and residual.is_contiguous())
+        return _residual_fits(feats, residual)
 
     def __call__(self, feats: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         out = torch.empty_like(feats)
@@ -162,6 +161,11 @@ def _fusable(feats: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tenso
         if not (vector.dtype in _DTYPES and vector.device == feats.device and vector.is_contiguous()
                 and vector.shape == feats.shape[1:]):
             return False
+    return _residual_fits(feats, residual)
+
+
+def _residual_fits(feats: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether the kernels take ``residual`` beside ``feats``: none, or contiguous, of its shape, dtype and device."""
     return residual is None or (residual.shape == feats.shape and residual.dtype == feats.dtype
                                 and residual.device == feats.device and residual.is_contiguous())
 
