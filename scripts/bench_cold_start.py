@@ -16,8 +16,11 @@ trains the benchmark MinkUNet (scripts/bench_network.py) on new coordinates ever
                     must not hold GPU memory)
   settled step ms   after those steps, once the background compiles are done (ours) and three
                     more steps ran: median of ten steps, milliseconds
-  settled GPU ms    the kernels' time in one such step (torch.profiler): what the choices cost
-                    on the GPU, without the host's noise
+  timing ms         ours: the tuner's timing of candidates inside those ten steps, per step (what
+                    the settled step pays for keys still to time)
+  settled GPU ms    the kernels' time in one such step (torch.profiler), ours' timing budget
+                    closed for it: what the choices cost on the GPU, without the host's noise or
+                    the candidates the tuner would time in that step
 
 Configurations: ``ours`` (default: a decided layer runs the reference while its kernels compile
 in the background), ``ours_blocking`` (SPARSECONV_BACKGROUND_COMPILE=0: compile in the call),
@@ -53,6 +56,7 @@ inference began: how soon the passes reach the steady one while the compiles run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -103,30 +107,61 @@ def child(args) -> None:
         sparseconv.tune.wait_for_compiles(args.timeout / 4)
     for index in range(3):  # choices whose kernels compiled meanwhile run from here
         step(len(steps) + index)
-    settled = []
+    settled, timed_before = [], timed_s(name)
     for index in range(10):
         begin = time.perf_counter()
         step(len(steps) + 3 + index)
         sync(device)
         settled.append(time.perf_counter() - begin)
-    # The kernels' time of a step: on the first EVAL clouds of the data set with --unseen (every configuration
-    # the same ones), their mean
-    gpu = [gpu_ms(functools.partial(step, index), device) for index in range(min(len(clouds), EVAL) or 1)]
     result = {"setup_s": setup, "steps": steps, "pending": pending, "free_gb": free_gb,
               "settled_ms": 1e3 * statistics.median(settled),
-              "gpu_ms": gpu[0] if isinstance(gpu[0], str) else statistics.mean(gpu)}
-    if clouds:  # where that GPU time goes, and where the tuning stands
-        if name == "ours":
-            import sparseconv.tune
+              "timing_ms": 1e3 * (timed_s(name) - timed_before) / len(settled)}
+    if clouds and name == "ours":
+        import sparseconv.tune
 
-            result["progress"] = sparseconv.tune.progress()._asdict()
-        if device.type == "cuda":
+        result["progress"] = sparseconv.tune.progress()._asdict()
+    timed_before = timed_s(name)
+    with untimed(name):
+        # The kernels' time of a step: on the first EVAL clouds of the data set with --unseen (every configuration
+        # the same ones), their mean; what the choices cost, without the candidates the tuner would time inside
+        # these steps (their runs, flushes and references; the timing's share of a step is timing_ms).
+        gpu = [gpu_ms(functools.partial(step, index), device) for index in range(min(len(clouds), EVAL) or 1)]
+        result["gpu_ms"] = gpu[0] if isinstance(gpu[0], str) else statistics.mean(gpu)
+        if clouds and device.type == "cuda":  # where that GPU time goes
             from sparseconv.cli.probes import gpu_busy
 
             by_kernel = gpu_busy(functools.partial(step, 0), passes=1)["by kernel"]
             kernels = sorted(([name, *cost] for name, cost in by_kernel.items()), key=lambda kernel: -kernel[2])
             result["kernels"] = kernels[:KERNELS]
+    result["timed_in_gpu_s"] = timed_s(name) - timed_before  # keys timed though the budget was closed
     print(json.dumps(result))
+
+
+def timed_s(name: str) -> float:
+    """Seconds ours' tuner has spent timing candidates inside calls so far (0 for the others)."""
+    if name != "ours":
+        return 0.0
+    import sparseconv.tune
+
+    return sparseconv.tune.progress().timed_s
+
+
+@contextlib.contextmanager
+def untimed(name: str):
+    """Ours' tuner times nothing inside the block: its timing budget is closed (a key met there runs its pick or
+    stand-in untimed, as when the budget is spent), so a step's GPU time is its choices' alone."""
+    if name != "ours":
+        yield
+        return
+    import sparseconv.tune
+    from sparseconv.tune.budget import TimingBudget
+
+    tuner = sparseconv.tune.get_tuner()
+    budget, tuner.budget = tuner.budget, TimingBudget(share=0.0, burst=0.0)
+    try:
+        yield
+    finally:
+        tuner.budget = budget
 
 
 KERNELS = 10
@@ -287,7 +322,7 @@ def run_config(config: str, args) -> dict:
 
 def summary(result: dict, seconds: float) -> list[str]:
     if "error" in result:
-        return ["failed: " + result["error"], "", "", "", "", "", "", ""]
+        return ["failed: " + result["error"], "", "", "", "", "", "", "", ""]
     steps = result["steps"]
     steady = statistics.median(steps[-5:])
     settled = next(i for i in range(len(steps)) if all(s <= 1.25 * steady for s in steps[i + 1:]))
@@ -297,6 +332,7 @@ def summary(result: dict, seconds: float) -> list[str]:
     return [f"{steps[0]:.2f} s", f"{ends[settled]:.1f} s (step {settled + 1})", str(within), f"{1e3 * steady:.1f}",
             ("-" if pending is None else str(pending)) + (f" ({result['exit']})" if "exit" in result else ""),
             "-" if result.get("free_gb") is None else f"{result['free_gb']:.1f}", f"{result['settled_ms']:.1f}",
+            f"{result['timing_ms']:.2f}" if result.get("timing_ms") else "-",
             result["gpu_ms"] if isinstance(result["gpu_ms"], str) else f"{result['gpu_ms']:.2f}"]
 
 
@@ -337,13 +373,16 @@ def main() -> None:
     print(f"\nCold start, {args.scene} x{args.scale:g}, {args.dtype}, {args.device}, shipped tunings "
           f"{'on' if args.shipped else 'off'}, empty tuning and Triton caches, {data}")
     header = ["library", "first step", "steady after", f"steps in {args.seconds:g} s", "steady step ms",
-              "compiles left", "free GB", "settled step ms", "settled GPU ms"]
+              "compiles left", "free GB", "settled step ms", "timing ms", "settled GPU ms"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for config, cells in rows:
         print("| " + " | ".join([config, *cells]) + " |")
     for config, result in results.items():
         if "progress" in result:
             print(f"{config}'s tuning at the end: {result['progress']}")
+        if result.get("timed_in_gpu_s"):
+            print(f"  ({config} timed {1e3 * result['timed_in_gpu_s']:.1f} ms inside the settled GPU steps: keys with "
+                  "no pick to run untimed)")
         for name, launches, ms in result.get("kernels", []):
             print(f"  {config} {ms:7.3f} ms {launches:5.0f} launches  {name[:90]}")
     full = results.get("ours_full", {}).get("gpu_ms")
