@@ -120,8 +120,7 @@ def child(args) -> None:
         import sparseconv.tune
 
         result["progress"] = sparseconv.tune.progress()._asdict()
-    timed_before = timed_s(name)
-    with untimed(name):
+    with untimed(name) as closed:
         # The kernels' time of a step: on the first EVAL clouds of the data set with --unseen (every configuration
         # the same ones), their mean; what the choices cost, without the candidates the tuner would time inside
         # these steps (their runs, flushes and references; the timing's share of a step is timing_ms).
@@ -133,7 +132,7 @@ def child(args) -> None:
             by_kernel = gpu_busy(functools.partial(step, 0), passes=1)["by kernel"]
             kernels = sorted(([name, *cost] for name, cost in by_kernel.items()), key=lambda kernel: -kernel[2])
             result["kernels"] = kernels[:KERNELS]
-    result["timed_in_gpu_s"] = timed_s(name) - timed_before  # keys timed though the budget was closed
+    result["timed_in_gpu_s"] = closed.spent_s if closed is not None else 0.0  # keys timed though it was closed
     print(json.dumps(result))
 
 
@@ -149,9 +148,10 @@ def timed_s(name: str) -> float:
 @contextlib.contextmanager
 def untimed(name: str):
     """Ours' tuner times nothing inside the block: its timing budget is closed (a key met there runs its pick or
-    stand-in untimed, as when the budget is spent), so a step's GPU time is its choices' alone."""
+    stand-in untimed, as when the budget is spent), so a step's GPU time is its choices' alone. Yields that closed
+    budget (its ``spent_s``: what was timed inside anyway), None for the others."""
     if name != "ours":
-        yield
+        yield None
         return
     import sparseconv.tune
     from sparseconv.tune.budget import TimingBudget
@@ -159,7 +159,7 @@ def untimed(name: str):
     tuner = sparseconv.tune.get_tuner()
     budget, tuner.budget = tuner.budget, TimingBudget(share=0.0, burst=0.0)
     try:
-        yield
+        yield tuner.budget
     finally:
         tuner.budget = budget
 
