@@ -120,9 +120,15 @@ class Background:
         return job is not None and not job.done()
 
     def queued(self) -> int:
-        """How many callers had a compile queued and have not taken their choice since."""
+        """How many callers had a compile queued and have not taken their choice since (finished or not)."""
         with self._lock:
             return len({self._callers[key] for key in self._jobs})
+
+    def compiling(self) -> int:
+        """How many callers wait on a compile that has not finished: :meth:`queued` less those whose compile ended
+        but which have not called since (on unseen point clouds, keys whose cloud did not come again)."""
+        with self._lock:
+            return len({self._callers[key] for key, job in self._jobs.items() if not job.done()})
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every queued compile has finished; False if ``timeout`` seconds passed first."""

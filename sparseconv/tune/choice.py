@@ -28,7 +28,8 @@ class Progress(NamedTuple):
     later call: keys whose records lack candidates, or met while the timing budget was spent."""
     compiling: int
     """Products running what needs no compile (:func:`.pools.meanwhile`; a map view torch's ops) while their kernels
-    compile in the background."""
+    compile in the background: compiles not finished yet (one whose compile ended runs its choice at its next call;
+    :meth:`.tuner.Tuner.compiling` counts those too)."""
     timed_s: float
     """Seconds the process has spent timing candidates inside its calls."""
     adopted: int = 0

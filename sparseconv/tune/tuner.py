@@ -269,7 +269,7 @@ class Tuner:
         with self._lock:
             settled = sum(1 for memo in self._choices if isinstance(memo[0], TuneKey))
             untimed = len(self._stand_ins)
-        return Progress(settled, untimed, self.compiling(), self.budget.spent_s, self._adoptions)
+        return Progress(settled, untimed, self._compiles.background.compiling(), self.budget.spent_s, self._adoptions)
 
     def _decide(self, namespace: str, key: TuneKey, problem: ConvProblem, mode: AlgoMode, effort: str,
                 a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, memo: tuple = ()

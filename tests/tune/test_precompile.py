@@ -440,6 +440,11 @@ def test_a_product_waiting_on_several_kernels_counts_once_as_compiling(monkeypat
     assert not background.ready(("view", "c"), print, (), "kernel c")
     assert not background.ready(("other product", 0), print, (), "kernel a", caller="other product")  # shares a's job
     assert background.queued() == 3
+    assert background.compiling() == 3
+    background._compiling["kernel a"].set_result(None)  # a compiled: "other product" waits no more, but has not taken it
+    assert (background.queued(), background.compiling()) == (3, 2)
+    assert background.ready(("other product", 0), print, (), "kernel a", caller="other product")
+    assert (background.queued(), background.compiling()) == (2, 2)
 
 
 def test_background_jobs_start_highest_priority_first_and_a_job_is_raised_by_its_highest_caller(monkeypatch):
