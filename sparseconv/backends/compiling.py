@@ -75,6 +75,8 @@ class Background:
         self._callers: dict[Hashable, Hashable] = {}  # key -> who waits on it
         self._order = itertools.count()  # queueing order, among jobs of equal priority
         self._lock = threading.Lock()
+        self.finished = 0
+        """Jobs finished so far (compiled and loaded, or failed): what was compiled can change only when it does."""
 
     def ready(self, key: Hashable, hook: Callable, args: tuple, compiles: Hashable, caller: Hashable = None,
               priority: float = math.inf) -> bool:
@@ -113,6 +115,12 @@ class Background:
             logger.debug("sparseconv: background compile of %s failed (its first call compiles): %s", key,
                          (str(error).strip().splitlines() or [""])[0][:300])
         return True
+
+    def compiled(self, compiles: Hashable) -> bool:
+        """Whether a job compiling ``compiles`` (as :meth:`ready` names it) finished without error: its kernels are
+        loaded in this process (starts nothing)."""
+        job = self._compiling.get(compiles)
+        return job is not None and job.done() and job.exception() is None
 
     def pending(self, key: Hashable) -> bool:
         """Whether ``key``'s compile is queued or running (starts nothing)."""
@@ -171,6 +179,7 @@ class Background:
                 error, seconds = pickle.loads(worker.stdout.read(struct.unpack("<Q", size)[0]))
             except Exception as failure:  # noqa: BLE001 - reported through the job
                 job.set_exception(failure)
+                self._finish()
                 worker = None
                 continue
             logger.debug("sparseconv: background compile done after %.1f s in the queue, %.1f s compiling",
@@ -180,6 +189,11 @@ class Background:
                 job.set_result(None)
             else:
                 job.set_exception(RuntimeError(error))
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:  # several feeding threads: no increment lost
+            self.finished += 1
 
 
 class _Job(concurrent.futures.Future):

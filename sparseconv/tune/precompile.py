@@ -72,9 +72,7 @@ class ChoiceCompiles:
               kernel_map: KernelMap) -> bool:
         """Whether some of ``candidates``' kernels still compile (the first call queues them)."""
         shape = MapShape.of(kernel_map)
-        # Unless the backend says what its hook compiles: the problem but for its row counts (no
-        # kernel specialises on them), so layers differing only in size share one job.
-        sizeless = (namespace, dataclasses.replace(problem, num_in=0, num_out=0), shape._replace(num_in=0, num_out=0))
+        sizeless = _sizeless(namespace, problem, shape)
         waiting = []
         # What running meanwhile costs, roughly (a gather through the table of every row and offset): the largest
         # layers' kernels compile first.
@@ -95,6 +93,18 @@ class ChoiceCompiles:
         else:
             self._waiting.pop(memo, None)
         return bool(waiting)
+
+    def compiled(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> bool:
+        """Whether ``candidate``'s kernels for ``problem`` were compiled by finished background jobs, for this product
+        or for any other needing the same kernels (they are loaded here: :meth:`Background.compiled`). Queues
+        nothing; False for a backend without a ``precompile`` hook (compiled in its first call, if at all)."""
+        backend = registry.get(candidate.backend)
+        if backend.precompile is None:
+            return False
+        shape = MapShape.of(kernel_map)
+        sizeless = _sizeless(namespace, problem, shape)
+        jobs = self._jobs(candidate, backend, (namespace, problem, dict(candidate.params_dict), shape), sizeless)
+        return bool(jobs) and all(self.background.compiled(compiles) for _, _, compiles in jobs)
 
     def _jobs(self, candidate: Candidate, backend: registry.Backend, args: tuple, sizeless: tuple) -> list[tuple]:
         """(hook, its arguments, what it compiles) of each background job ``candidate`` needs for ``args``: one a
@@ -129,3 +139,9 @@ class ChoiceCompiles:
         """Whether a compile that ``memo`` waits for is still queued or running."""
         jobs = self._waiting.get(memo)
         return jobs is not None and any(self.background.pending(job) for job in jobs)
+
+
+def _sizeless(namespace: str, problem: ConvProblem, shape: MapShape) -> tuple:
+    """What a product's kernels are compiled for, unless the backend says what its hook compiles: the problem but for
+    its row counts (no kernel specialises on them), so layers differing only in size share one job."""
+    return namespace, dataclasses.replace(problem, num_in=0, num_out=0), shape._replace(num_in=0, num_out=0)

@@ -18,7 +18,6 @@ from .cache import TuneCache
 from .configs import Candidate
 from .evidence import Evidence
 from .key import TuneKey
-from .pools import meanwhile
 from .siblings import Siblings
 
 ADOPT_BUCKETS = 1
@@ -50,11 +49,6 @@ class StandIns:
         """The stand-in of ``memo`` (:meth:`pick`) if its kernels are loaded (it has run), else None."""
         held = self._held.get(memo)
         return held[0] if held is not None and held[1] else None
-
-    def meanwhile(self, memo: tuple, problem: ConvProblem) -> Candidate:
-        """What ``memo`` runs while its kernels compile or its sweep waits: its loaded stand-in, else what needs no
-        compile (:func:`.pools.meanwhile`)."""
-        return self.loaded(memo) or meanwhile(problem)
 
     def hold(self, memo: tuple, candidate: Candidate, loaded: bool) -> None:
         """``candidate`` stands in for ``memo`` (``loaded``: its kernels ran here)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -63,6 +63,8 @@ class Tuner:
         self._adoptions = 0  # choices _adopted settled
         # memo -> the candidates this process timed for it in earlier calls, while its sweep is spread over calls
         self._sweeps: dict[tuple, list[Candidate]] = {}
+        # memo -> (background jobs finished when looked, candidates to look among, the compiled one): _compiled_instead
+        self._instead: dict[tuple, tuple[int, list[Candidate], Candidate | None]] = {}
 
     @property
     def cache(self) -> TuneCache:
@@ -166,7 +168,7 @@ class Tuner:
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
                 # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else what
                 # needs no compile.
-                running = loaded or meanwhile(problem)
+                running = loaded or self._meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
                 return running, registry.get(running.backend), False
             if loaded is not None and not self.budget.allows():
                 # Loaded and waiting for the budget: no pool, no cache read (~0.4 ms a call, 76 calls of a step).
@@ -184,7 +186,7 @@ class Tuner:
                         candidate = candidate.candidate
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
-                            running = self._stand_ins.meanwhile(memo, problem)
+                            running = self._meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
                             return running, registry.get(running.backend), False
                         # Its kernels are loaded if it is the stand-in: the fast path above (not the reference a
                         # sweep runs while its candidates compile, nor another rank's provisional pick).
@@ -192,9 +194,10 @@ class Tuner:
                         return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
-                        running = self._stand_ins.meanwhile(memo, problem)
+                        running = self._meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
                         return running, registry.get(running.backend), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
+                    self._instead.pop(memo, None)
                     if key is not None:
                         self._stand_ins.settled(memo, key, candidate)
         return (*choice, True)
@@ -298,12 +301,14 @@ class Tuner:
             if swept is None:
                 # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
                 # claim stays ours: other ranks run the pool's first until the choice is published.
-                return Provisional(self._stand_ins.meanwhile(memo, problem)), True
+                return Provisional(self._meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)), True
             fresh = swept
             if sliced and fresh:
                 # The rest of the sweep (and the re-timing of close finishers) waits for later calls.
                 self.budget.spend(time.perf_counter() - started)
-                return self._sweep_goes_on(memo, problem, pool, evidence, fresh)
+                return self._sweep_goes_on(memo, problem, pool, evidence, fresh,
+                                           lambda: self._meanwhile(memo, namespace, problem, mode, effort, key,
+                                                                   kernel_map))
         fresh = [*self._sweeps.pop(memo, ()), *fresh]
         choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
         timed_s = time.perf_counter() - started
@@ -324,16 +329,50 @@ class Tuner:
         return effort == "quick" and not key.deterministic and not self.budget.waiving and bool(self.budget.per_call)
 
     def _sweep_goes_on(self, memo: tuple, problem: ConvProblem, pool: list[Candidate], evidence: Evidence,
-                       fresh: list[Candidate]) -> tuple[Provisional, bool]:
+                       fresh: list[Candidate], otherwise: Callable[[], Candidate]) -> tuple[Provisional, bool]:
         """What a key whose sweep goes on in later calls runs meanwhile: the best candidate that passed so far (it
-        ran in this process if timed here), else its loaded stand-in, else what needs no compile."""
+        ran in this process if timed here), else ``otherwise()`` (:meth:`_meanwhile`)."""
         timed = self._sweeps[memo] = [*self._sweeps.get(memo, ()), *fresh]
         passing = evidence.passing(pool)
         if not passing:
-            return Provisional(self._stand_ins.meanwhile(memo, problem)), True
+            return Provisional(otherwise()), True
         best = evidence.best(passing)
         self._stand_ins.hold(memo, best, best in timed)
         return Provisional(best), best in timed
+
+    def _meanwhile(self, memo: tuple, namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str,
+                   key: TuneKey | None, kernel_map: KernelMap) -> Candidate:
+        """What ``memo`` runs while its kernels compile or its sweep waits: its loaded stand-in, else a candidate of
+        its pool whose kernels are compiled already (:meth:`_compiled_instead`), else what needs no compile
+        (:func:`.pools.meanwhile`)."""
+        return (self._stand_ins.loaded(memo) or self._compiled_instead(memo, namespace, problem, mode, effort, key,
+                                                                       kernel_map) or meanwhile(problem))
+
+    def _compiled_instead(self, memo: tuple, namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str,
+                          key: TuneKey | None, kernel_map: KernelMap) -> Candidate | None:
+        """The first of ``memo``'s pool by predicted cost, among the :data:`INSTEAD` it ranks first and ahead of what
+        needs no compile, whose kernels a finished background job compiled (for this product or another one needing
+        the same kernels: a cold network's products share a few dozen kernels); None if there is none. Looked up
+        again only when a background job has finished since."""
+        if key is None:
+            return None
+        finished = self._compiles.background.finished
+        held = self._instead.get(memo)
+        if held is not None and held[0] == finished:
+            return held[2]
+        try:
+            if held is None:
+                fallback = meanwhile(problem)
+                ranked = prior.ranked(self.cache, namespace, key,
+                                      candidate_pool(namespace, problem, mode, effort, key.deterministic))
+                among = ranked[:ranked.index(fallback) if fallback in ranked else len(ranked)][:INSTEAD]
+            else:
+                among = held[1]
+            found = next((c for c in among if self._compiles.compiled(namespace, problem, c, kernel_map)), None)
+        except Exception:  # noqa: BLE001 - never costs the call: what needs no compile runs instead
+            among, found = [], None
+        self._instead[memo] = (finished, among, found)
+        return found
 
     def _to_time(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence,
                  sweeping: bool = False) -> list[Candidate]:
@@ -440,6 +479,10 @@ class Tuner:
         }
         self.cache.put(namespace, encoded, entry)
 
+
+INSTEAD = 8
+"""How many of a waiting product's candidates, ranked by predicted cost, :meth:`Tuner._compiled_instead` looks
+among for one compiled already."""
 
 SWEEP_IN_BACKGROUND = prior.QUICK_TOP + 5
 """A sweep of at most this many candidates (the cost model's three picks and up to five it has no data

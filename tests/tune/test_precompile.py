@@ -245,6 +245,7 @@ def test_background_jobs_that_compile_the_same_kernels_are_one_job(tmp_path, mon
     background = Background(workers=2)
     args = (FWD, None, {}, None)
     assert not background.ready("layer 1", background_fakes.precompile, args, compiles="kernel A")
+    assert background.finished == 0 and not background.compiled("kernel A")  # queued, not compiled
     assert not background.ready("layer 2", background_fakes.precompile, args, compiles="kernel A")
     assert not background.ready("layer 3", background_fakes.precompile, args, compiles="kernel B")
     (tmp_path / "release").touch()
@@ -252,6 +253,7 @@ def test_background_jobs_that_compile_the_same_kernels_are_one_job(tmp_path, mon
     assert [background.ready(k, background_fakes.precompile, args, "kernel A") for k in ("layer 1", "layer 2")] == [True] * 2
     assert background.ready("layer 3", background_fakes.precompile, args, compiles="kernel B")
     assert not background.queued()
+    assert background.finished == 2 and background.compiled("kernel A") and not background.compiled("kernel C")
     compiled = (tmp_path / "compiled.log").read_text().split()  # kernel A once, kernel B once, each loaded here
     assert len(compiled) == 4 and compiled.count(str(os.getpid())) == 2
 
@@ -418,6 +420,13 @@ def test_background_compiles_are_one_job_per_triton_kernel_shared_across_layers(
         assert names.count("rows_gemm") == 2 and "pair_counts" in names
     assert seen[1] == set()  # nothing new for 64 -> 128
     assert seen[2] and all(key[1][0] == "rows_gemm" for key in seen[2])  # only the products specialise anew
+    # Once those jobs finished, a layer they cover counts as compiled (64 -> 128 shares 32 -> 64's kernels), one
+    # whose kernels specialise otherwise does not, and looking queues nothing.
+    done = set(compiles.background.compiles)
+    compiles.background.compiled = lambda key: key in done
+    assert compiles.compiled(FWD, *(lambda p, s: (p, candidate, _FakeMap(s)))(*layer(64, 128)))
+    assert not compiles.compiled(FWD, *(lambda p, s: (p, candidate, _FakeMap(s)))(*layer(6, 10)))
+    assert set(compiles.background.compiles) == done
 
 
 class _FakeMap:

@@ -434,6 +434,36 @@ def test_where_kernels_compile_in_the_background_a_key_without_records_compiles_
         assert {i for i in range(6) if calls.of(f"fake_speeds[{i}]")} == {3, 4, 5}
 
 
+def test_while_a_keys_sweep_compiles_it_runs_the_best_ranked_candidate_compiled_already_not_the_reference(
+        monkeypatch, clock):
+    from sparseconv.tune import tuner as tuner_module
+
+    monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
+    calls = Calls()
+    algorithm = _one_layer()
+    with registered(_speeds(calls, clock)):
+        _seed_cache(fastest=4)
+        tuner = sparseconv.tune.get_tuner()
+        compiling = [True]
+        monkeypatch.setattr(tuner._compiles, "defer", lambda *args: compiling[0])
+        compiled: set = set()  # what finished background jobs compiled (for this product or another)
+        monkeypatch.setattr(tuner._compiles, "compiled", lambda namespace, problem, c, kernel_map: c.id in compiled)
+        background = tuner._compiles.background
+        assert algorithm() == "explicit_gemm"  # nothing compiled yet: the reference
+        compiled.add("fake_speeds[level=1]")
+        assert algorithm() == "explicit_gemm"  # no job finished since the last look: not looked up again
+        background.finished += 1
+        assert algorithm() == "fake_speeds[level=1]"
+        compiled.add("fake_speeds[level=4]")
+        background.finished += 1
+        assert algorithm() == "fake_speeds[level=4]"  # the cost model ranks it first
+        assert not calls.of("fake_speeds[3]") and tuner.choices() == []  # nothing timed while the sweep compiles
+        compiling[0] = False
+        assert algorithm() == "fake_speeds[level=3]"  # its sweep compiled: timed and settled
+        assert {i for i in range(6) if calls.of(f"fake_speeds[{i}]") > (1 if i in (1, 4) else 0)} == {3, 4, 5}
+        assert not tuner._instead  # settled: nothing kept for it
+
+
 def test_inside_a_waived_stretch_a_new_key_is_timed_at_once_where_kernels_compile_in_the_background(monkeypatch, clock):
     from sparseconv.tune import tuner as tuner_module
 
