@@ -35,6 +35,9 @@ VARIABLES = {
                                       "shipped tunings) but not compiled yet runs the reference while it compiles "
                                       "in worker processes, and a map view whose kernel is not compiled yet is built "
                                       "by torch ops meanwhile | 0: compile them in the call"),
+    "SPARSECONV_COMPILE_WORKERS": ("worker processes compiling kernels in the background, at most (default: 4, fewer "
+                                   "on a host with fewer cores; each holds a CUDA context, ~0.5 GB of the GPU, while "
+                                   "it lives)"),
     "SPARSECONV_PLAN_MAPS": ("1 (default): a new batch builds the kernel maps the latest batches asked for at once "
                              "(few launches, one host sync) | 0: each map when a layer first asks for it"),
     "SPARSECONV_NVCC": "nvcc for the CUTLASS backends (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",
@@ -88,6 +91,16 @@ def background_compile() -> bool:
     return _switch("SPARSECONV_BACKGROUND_COMPILE")
 
 
+def compile_workers() -> int | None:
+    """SPARSECONV_COMPILE_WORKERS as a positive int, None if unset."""
+    value = os.environ.get("SPARSECONV_COMPILE_WORKERS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"SPARSECONV_COMPILE_WORKERS must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def plan_maps() -> bool:
     return _switch("SPARSECONV_PLAN_MAPS")
 
@@ -118,6 +131,7 @@ def check_environment() -> None:
     autotune_log()
     for switch in ("SPARSECONV_SHIPPED_TUNINGS", "SPARSECONV_BACKGROUND_COMPILE", "SPARSECONV_PLAN_MAPS"):
         _switch(switch)
+    compile_workers()
     _parsed_deterministic(os.environ.get("SPARSECONV_DETERMINISTIC", ""), False)
     for name in os.environ:
         if name.startswith("SPARSECONV_") and name not in VARIABLES and name not in _WARNED:

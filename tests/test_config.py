@@ -86,3 +86,22 @@ def test_check_environment_raises_for_any_bad_switch(monkeypatch, variable, valu
         config.check_environment()
     monkeypatch.setenv(variable, "off")
     config.check_environment()
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "four", "1.5"])
+def test_a_bad_compile_worker_count_is_an_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("SPARSECONV_COMPILE_WORKERS", value)
+    with pytest.raises(ValueError, match="SPARSECONV_COMPILE_WORKERS must be a positive integer"):
+        config.check_environment()
+
+
+def test_the_compile_worker_count_is_the_variables_else_bounded_by_the_cores(monkeypatch):
+    from sparseconv.backends import compiling
+
+    monkeypatch.setenv("SPARSECONV_COMPILE_WORKERS", "7")
+    assert compiling.Background()._workers == 7
+    monkeypatch.delenv("SPARSECONV_COMPILE_WORKERS")
+    monkeypatch.setattr(compiling.os, "cpu_count", lambda: 2)
+    assert compiling.Background()._workers == 1
+    monkeypatch.setattr(compiling.os, "cpu_count", lambda: 64)
+    assert compiling.Background()._workers == compiling.MAX_WORKERS

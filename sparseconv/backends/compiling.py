@@ -68,7 +68,7 @@ class Background:
     """
 
     def __init__(self, workers: int | None = None) -> None:
-        self._workers = workers or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
+        self._workers = workers or config.compile_workers() or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
         self._queue: queue.Queue | None = None
         self._jobs: dict[Hashable, concurrent.futures.Future] = {}  # by the caller's key
         self._compiling: dict[Hashable, concurrent.futures.Future] = {}  # by what it compiles
