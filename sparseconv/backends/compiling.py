@@ -75,6 +75,7 @@ class Background:
         self._callers: dict[Hashable, Hashable] = {}  # key -> who waits on it
         self._order = itertools.count()  # queueing order, among jobs of equal priority
         self._lock = threading.Lock()
+        self._early = False  # the workers were started ahead of the first job (prestart)
         self.finished = 0
         """Jobs finished so far (compiled and loaded, or failed): what was compiled can change only when it does."""
 
@@ -144,6 +145,16 @@ class Background:
         done, not_done = concurrent.futures.wait(jobs, timeout=timeout)
         return not not_done
 
+    def prestart(self) -> None:
+        """Start the workers now, ahead of the first job, unless started already: a worker's start-up (Python,
+        torch, Triton and this library imported, ~4.5 s on an H200 host) then runs beside what comes before the
+        first compile is queued instead of delaying it. A prestarted worker waits :data:`EARLY_IDLE_S` for its
+        first job before it goes."""
+        with self._lock:
+            if self._queue is None:
+                self._early = True
+                self._start()
+
     def _start(self) -> queue.PriorityQueue:
         if self._queue is None:
             self._queue = queue.PriorityQueue()
@@ -155,15 +166,21 @@ class Background:
         """One worker process, fed one job at a time (a daemon thread that only waits on pipes).
         A worker idle for IDLE_S goes (its compiler's CUDA context holds ~0.5 GB of the GPU); the
         next job starts another."""
-        worker = None
+        worker, idle_s = None, None
+        if self._early:
+            try:
+                worker, idle_s = _spawn_worker(), EARLY_IDLE_S
+            except Exception as error:  # noqa: BLE001 - the first job starts one, and says why if it cannot
+                logger.debug("sparseconv: a compile worker did not start ahead of its first job: %s", error)
         while True:
             try:
-                _, _, job, queued = self._queue.get(timeout=IDLE_S if worker is not None else None)
+                _, _, job, queued = self._queue.get(timeout=idle_s)
             except queue.Empty:
                 worker.stdin.close()
                 worker.wait()
-                worker = None
+                worker, idle_s = None, None
                 continue
+            idle_s = IDLE_S
             with self._lock:
                 if job.running() or job.done() or not job.set_running_or_notify_cancel():
                     continue  # an entry a higher priority queued again, or cancelled
@@ -182,10 +199,12 @@ class Background:
                 self._finish()
                 worker = None
                 continue
-            logger.debug("sparseconv: background compile done after %.1f s in the queue, %.1f s compiling",
-                         time.perf_counter() - queued - seconds, seconds)
+            waited = time.perf_counter() - queued - seconds
             if error is None:
+                loading = time.perf_counter()
                 _load_here(payload)
+                logger.debug("sparseconv: background compile done after %.1f s in the queue, %.1f s compiling, "
+                             "%.2f s loading here", waited, seconds, time.perf_counter() - loading)
                 job.set_result(None)
             else:
                 job.set_exception(RuntimeError(error))
@@ -234,6 +253,8 @@ MAX_WORKERS = 4
 """Each worker's compiler loads its kernels, which holds a CUDA context (~0.5 GB on an H100)
 while it lives: 4 workers at most, gone IDLE_S after the last job."""
 IDLE_S = 5.0
+EARLY_IDLE_S = 60.0
+"""How long a worker started ahead of its first job (:meth:`Background.prestart`) waits for it."""
 
 
 def _spawn_worker() -> subprocess.Popen:
@@ -247,6 +268,22 @@ def _spawn_worker() -> subprocess.Popen:
 def background() -> Background:
     """The process's compile workers (none start until a first job is queued)."""
     return Background()
+
+
+def prestart(device: torch.device) -> None:
+    """Start the compile workers where background compiles apply to work on ``device`` (a CUDA device, switched
+    on, not deterministic): called at a batch's first map request, so that their start-up runs beside a cold
+    process's first map builds (Warp's module loads and hash tables: ~4 s of its first MinkUNet inference on an
+    H200) instead of after them, when the first layer queues its kernels (its first compile finished 6 s after the
+    first inference where the workers started then). Nothing once started, or on a CPU."""
+    global _prestarted
+    if _prestarted or device.type != "cuda" or not config.background_compile() or config.deterministic():
+        return
+    _prestarted = True
+    background().prestart()
+
+
+_prestarted = False
 
 
 def on_gpu_eagerly(a: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ prepared on the new maps ahead of the layers' first calls).
 from __future__ import annotations
 
 from .. import tune
-from ..backends import mask_views, planned_views
+from ..backends import compiling, mask_views, planned_views
 from ..coords.batch import Builders, MapUse
 from ..coords.cache import CoordinateCache
 from ..coords.kernel_map import KernelMap, KernelMapKey, MapKernels
@@ -35,8 +35,10 @@ def kernel_map(cache: CoordinateCache, key: KernelMapKey, builders: Builders = B
     """The kernel map of ``key`` in ``cache``'s batch (built with ``builders``, taken at the batch's first request),
     its use in the batch (:class:`~sparseconv.coords.batch.MapUse`: what the tuner and the plan keep of it) and the
     id of its output coordinate set. A batch's first request checks every product's settings first
-    (:func:`check_settings`)."""
+    (:func:`check_settings`), and on a GPU starts the background compile workers if none run yet
+    (:func:`~sparseconv.backends.compiling.prestart`)."""
     if cache.batch.record is None:
         check_settings()
+        compiling.prestart(cache.device)
     found, out_id = cache.kernel_map(key, builders)
     return found, cache.batch.use(found), out_id

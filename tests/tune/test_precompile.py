@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -476,3 +477,49 @@ def test_background_jobs_start_highest_priority_first_and_a_job_is_raised_by_its
         if job not in order:  # (the entry a raised job left behind is skipped by the feeding thread)
             order.append(job)
     assert order == [background._compiling[name] for name in ("kernel v", "kernel a", "kernel b", "kernel c")]
+
+
+def test_prestarted_workers_start_before_any_job_and_take_the_first_jobs(tmp_path, monkeypatch):
+    import background_fakes
+
+    from sparseconv.backends import compiling
+
+    spawned = []
+    spawn = compiling._spawn_worker
+    monkeypatch.setattr(compiling, "_spawn_worker", lambda: spawned.append(1) or spawn())
+    monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
+    background = compiling.Background(workers=2)
+    background.prestart()
+    deadline = time.monotonic() + 30
+    while len(spawned) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(spawned) == 2  # started with no job queued
+    background.prestart()  # started already: nothing more
+    args = (FWD, None, {}, None)
+    assert not background.ready("layer 1", background_fakes.precompile, args, compiles="kernel A")
+    assert background.wait(timeout=60) and background.ready("layer 1", background_fakes.precompile, args, "kernel A")
+    assert len(spawned) == 2  # the job ran on a prestarted worker
+
+
+@pytest.mark.parametrize("case", ["cpu", "switched off", "deterministic", "cuda"])
+def test_a_batchs_first_map_request_prestarts_the_workers_only_where_background_compiles_apply(case, monkeypatch):
+    from sparseconv.backends import compiling
+    from sparseconv.ops import batch
+
+    started = []
+    monkeypatch.setattr(compiling, "_prestarted", False)
+    monkeypatch.setattr(compiling.background(), "prestart", lambda: started.append(1))
+    if case == "switched off":
+        monkeypatch.setenv("SPARSECONV_BACKGROUND_COMPILE", "0")
+    if case == "deterministic":
+        monkeypatch.setenv("SPARSECONV_DETERMINISTIC", "1")
+    device = torch.device("cpu" if case == "cpu" else "cuda", 0 if case != "cpu" else None)
+    for _ in range(2):
+        compiling.prestart(device)
+    assert started == ([1] if case == "cuda" else [])
+    x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=50)  # a CPU batch's map request starts nothing
+    monkeypatch.setattr(compiling, "_prestarted", False)
+    started.clear()
+    batch.kernel_map(x.cache, sparseconv.coords.KernelMapKey(x.coord_id, (3, 3, 3), (1, 1, 1), (1, 1, 1), False,
+                                                             False))
+    assert started == []
