@@ -91,18 +91,9 @@ class Background:
         with self._lock:
             job = self._jobs.get(key)
             if job is None:
-                job = self._compiling.get(compiles)
+                job = self._queued(hook, args, compiles, priority, key)
                 if job is None:
-                    try:
-                        payload = pickle.dumps((hook, args))
-                    except Exception as error:  # noqa: BLE001 - a local hook: compiled in the call instead
-                        logger.debug("sparseconv: %s cannot compile in the background: %s", key, error)
-                        return True
-                    job = self._compiling[compiles] = _Job(payload)
-                if priority > job.priority and not (job.running() or job.done()):
-                    # (queued again, ahead: the entry left behind is skipped when it comes up)
-                    job.priority = priority
-                    self._start().put((-priority, next(self._order), job, time.perf_counter()))
+                    return True
                 self._jobs[key] = job
                 self._callers[key] = key if caller is None else caller
                 if not job.done():
@@ -116,6 +107,32 @@ class Background:
             logger.debug("sparseconv: background compile of %s failed (its first call compiles): %s", key,
                          (str(error).strip().splitlines() or [""])[0][:300])
         return True
+
+    def ahead(self, hook: Callable, args: tuple, compiles: Hashable) -> None:
+        """Queue ``hook(*args)`` ahead of every caller's job (as :meth:`ready` names what it compiles), for no caller:
+        kernels that products will look for with :meth:`compiled` while their own compile (a bridge,
+        :meth:`sparseconv.tune.precompile.ChoiceCompiles.ahead`). Nothing where such a job is queued already at that
+        priority, running or done."""
+        with self._lock:
+            self._queued(hook, args, compiles, math.inf, compiles)
+
+    def _queued(self, hook: Callable, args: tuple, compiles: Hashable, priority: float, key: Hashable
+                ) -> _Job | None:
+        """The job compiling ``compiles``, queued at ``priority`` at least (made on the first request); None where
+        ``hook`` cannot go to a worker (a local function: its call compiles it). Under the lock."""
+        job = self._compiling.get(compiles)
+        if job is None:
+            try:
+                payload = pickle.dumps((hook, args))
+            except Exception as error:  # noqa: BLE001 - a local hook: compiled in the call instead
+                logger.debug("sparseconv: %s cannot compile in the background: %s", key, error)
+                return None
+            job = self._compiling[compiles] = _Job(payload)
+        if priority > job.priority and not (job.running() or job.done()):
+            # (queued again, ahead: the entry left behind is skipped when it comes up)
+            job.priority = priority
+            self._start().put((-priority, next(self._order), job, time.perf_counter()))
+        return job
 
     def compiled(self, compiles: Hashable) -> bool:
         """Whether a job compiling ``compiles`` (as :meth:`ready` names it) finished without error: its kernels are
@@ -277,13 +294,23 @@ def prestart(device: torch.device) -> None:
     H200) instead of after them, when the first layer queues its kernels (its first compile finished 6 s after the
     first inference where the workers started then). Nothing once started, or on a CPU."""
     global _prestarted
-    if _prestarted or device.type != "cuda" or not config.background_compile() or config.deterministic():
+    if _prestarted or not applies(device, config.deterministic()):
         return
     _prestarted = True
     background().prestart()
 
 
 _prestarted = False
+
+
+def applies(device: torch.device, deterministic: bool) -> bool:
+    """Whether kernels for work on ``device`` compile in the background at all: a CUDA device, unless deterministic
+    or switched off (:func:`in_background` says it of a call's tensor)."""
+    return device.type == "cuda" and _switched_on(deterministic)
+
+
+def _switched_on(deterministic: bool) -> bool:
+    return not deterministic and config.background_compile()
 
 
 def on_gpu_eagerly(a: torch.Tensor) -> bool:
@@ -296,7 +323,7 @@ def in_background(a: torch.Tensor, deterministic: bool) -> bool:
     """Whether kernels for work on ``a`` compile in worker processes while something compiled runs: on a GPU,
     unless deterministic (which kernel runs would depend on compile times), tracing or capturing a CUDA graph
     (what runs meanwhile would be recorded), or switched off (``SPARSECONV_BACKGROUND_COMPILE=0``)."""
-    return on_gpu_eagerly(a) and not deterministic and config.background_compile()
+    return on_gpu_eagerly(a) and _switched_on(deterministic)
 
 
 def kernel_ready(tensor: torch.Tensor, key: Hashable, hook: Callable, args: tuple) -> bool:

@@ -87,6 +87,10 @@ class Backend:
     """``precompile`` compiles Triton kernels of :func:`.triton_kernels.kernels` through :func:`.triton_launch.warm`
     and nothing else, and may run in this process without compiling (:func:`.triton_launch.recorded`): its
     background compiles are one job per kernel, shared with every other product and view needing that kernel."""
+    bridge: Callable[[ConvProblem], Mapping | None] | None = None
+    """``bridge(problem)``: a parameter set of :attr:`params_space` generic enough that a few kernels serve every layer
+    of a network (a fixed tile, no per-map view), or None where the backend has none for ``problem``: what a cold
+    process compiles first and runs while the tuned kernels compile (:func:`sparseconv.tune.pools.bridge`)."""
 
     def candidates_params(self, problem: ConvProblem, level: str) -> list[Mapping]:
         """Parameter sets of this backend in the ``level`` pool for ``problem``."""

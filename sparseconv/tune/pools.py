@@ -24,8 +24,8 @@ logger = logging.getLogger("sparseconv.tune")
 FALLBACK = "explicit_gemm"
 
 # The mode names are re-exported: tuner.py (and tests) take them from here with the pools.
-__all__ = ["DEFAULT_MODE", "FALLBACK", "LEVELS", "PIN_ARGUMENT", "AlgoMode", "candidate_pool", "checked_mode",
-           "meanwhile", "parse_mode", "resolve_mode"]
+__all__ = ["DEFAULT_MODE", "FALLBACK", "LEVELS", "PIN_ARGUMENT", "AlgoMode", "bridge", "candidate_pool",
+           "checked_mode", "meanwhile", "parse_mode", "resolve_mode"]
 
 
 _READ: str = "<read the environment>"  # resolve_mode's default: not a valid mode, so never a caller's value
@@ -110,6 +110,27 @@ def _deterministic_params(
 
 _REFERENCE = Candidate(FALLBACK)
 _TABLE = Candidate("explicit_gemm_table")
+
+
+def bridge(namespace: str, problem: ConvProblem) -> Candidate | None:
+    """What ``namespace``'s products of ``problem`` run while their tuned kernels compile, once its own few kernels
+    are compiled (queued first: :meth:`~.precompile.ChoiceCompiles.ahead`): the bridge parameter set
+    (:attr:`~sparseconv.backends.registry.Backend.bridge`) of the best-scored backend that has one and can run
+    ``problem``; None where none has one. A cold street MinkUNet's tuned picks are ~90 kernels, 0.3-0.6 s each in
+    the workers, the last compiled ~20 s in; the passes meanwhile ran explicit_gemm_table at 3-9x a steady pass
+    (H200, 2026-12-03)."""
+    found = []
+    for name in registry.names(namespace):
+        backend = registry.get(name)
+        if backend.bridge is None or backend.supports(problem) is not None:
+            continue
+        params = backend.bridge(problem)
+        if params is not None:
+            found.append((-backend.heuristic(problem), name, params))
+    if not found:
+        return None
+    _, name, params = min(found, key=lambda item: item[:2])
+    return Candidate.of(name, params)
 
 
 def meanwhile(problem: ConvProblem) -> Candidate:

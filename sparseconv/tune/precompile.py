@@ -94,6 +94,18 @@ class ChoiceCompiles:
             self._waiting.pop(memo, None)
         return bool(waiting)
 
+    def ahead(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> None:
+        """Queue ``candidate``'s kernels for ``problem`` ahead of every product's own (a bridge,
+        :func:`.pools.bridge`: a few kernels serving every layer, which the products waiting on theirs look for with
+        :meth:`compiled`); no product waits on them. Nothing for a backend without a ``precompile`` hook."""
+        backend = registry.get(candidate.backend)
+        if backend.precompile is None:
+            return
+        shape = MapShape.of(kernel_map)
+        args = (namespace, problem, dict(candidate.params_dict), shape)
+        for hook, hook_args, compiles in self._jobs(candidate, backend, args, _sizeless(namespace, problem, shape)):
+            self.background.ahead(hook, hook_args, compiles)
+
     def compiled(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> bool:
         """Whether ``candidate``'s kernels for ``problem`` were compiled by finished background jobs, for this product
         or for any other needing the same kernels (they are loaded here: :meth:`Background.compiled`). Queues

@@ -29,7 +29,7 @@ from .configs import Candidate
 from .distributed import Ranks
 from .evidence import Evidence, cost, pick
 from .key import TuneKey, make_key
-from .pools import FALLBACK, AlgoMode, candidate_pool, meanwhile, resolve_mode
+from .pools import FALLBACK, AlgoMode, bridge, candidate_pool, meanwhile, resolve_mode
 from .precompile import ChoiceCompiles
 from .stand_ins import StandIns
 from .sweep import compile_and_sweep, log_sweep, refuse_tuning_in_trace, retime
@@ -352,8 +352,9 @@ class Tuner:
                           key: TuneKey | None, kernel_map: KernelMap) -> Candidate | None:
         """The first of ``memo``'s pool by predicted cost, among the :data:`INSTEAD` it ranks first and ahead of what
         needs no compile, whose kernels a finished background job compiled (for this product or another one needing
-        the same kernels: a cold network's products share a few dozen kernels); None if there is none. Looked up
-        again only when a background job has finished since."""
+        the same kernels: a cold network's products share a few dozen kernels), else the namespace's bridge
+        (:func:`.pools.bridge`, whose kernels the first look queues ahead of all others); None if there is none. Looked
+        up again only when a background job has finished since."""
         if key is None:
             return None
         finished = self._compiles.background.finished
@@ -366,6 +367,11 @@ class Tuner:
                 ranked = prior.ranked(self.cache, namespace, key,
                                       candidate_pool(namespace, problem, mode, effort, key.deterministic))
                 among = ranked[:ranked.index(fallback) if fallback in ranked else len(ranked)][:INSTEAD]
+                passing = bridge(namespace, problem) if compiling.applies(problem.device, key.deterministic) else None
+                if passing is not None and (mode.level is not None or passing.backend in mode.names):
+                    # Last: a few kernels for every layer, queued first; the tuned ones win once compiled.
+                    self._compiles.ahead(namespace, problem, passing, kernel_map)
+                    among = among if passing in among else [*among, passing]
             else:
                 among = held[1]
             found = next((c for c in among if self._compiles.compiled(namespace, problem, c, kernel_map)), None)

@@ -656,3 +656,31 @@ def test_a_training_pass_frees_planned_tile_plans_after_their_maps_last_forward_
             layers.zero_grad(set_to_none=True)
         for got, want in zip(grads, expected):
             assert relative_error(got, want) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("channels", [(4, 32), (16, 8)], ids=lambda c: f"c{c[0]}x{c[1]}")
+@pytest.mark.parametrize("mode", CASES, ids=str)
+def test_each_products_bridge_matches_explicit_gemm(mode, channels, device, poisoned_outputs):
+    from sparseconv.backends.problem import NAMESPACES
+    from sparseconv.tune.pools import bridge
+
+    c_in, c_out = channels
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    x, kernel_map = _input_and_map(mode, c_in, device, dtype, n=40 if device == "cpu" else 4000,
+                                   extent=6 if device == "cpu" else 30)
+    weight = torch.randn(kernel_map.kernel_volume, c_in, c_out, device=device, dtype=dtype) / c_in ** 0.5
+    grad_out = torch.randn(kernel_map.num_out, c_out, device=device, dtype=dtype)
+    operands = dict(zip(NAMESPACES, ((x.feats, weight), (grad_out, weight), (x.feats, grad_out))))
+    problem = _problem(x, kernel_map, c_in, c_out, dtype, mode)
+    for namespace in NAMESPACES:
+        candidate = bridge(namespace, problem)
+        assert candidate is not None, namespace  # a Triton backend of every product has one
+        backend = get(candidate.backend)
+        assert namespace in backend.ops and dict(candidate.params) in [dict(p) for p in backend.params_space]
+        a, b = operands[namespace]
+        out = backend.run(namespace, problem, candidate.params_dict, a, b, kernel_map)
+        ref = explicit.run(namespace, problem, {}, a.double(), b.double(), kernel_map)
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert bool(torch.isfinite(out).all()), f"{candidate.id} {namespace}: unwritten or non-finite output"
+        assert relative_error(out, ref) < TOLERANCE[dtype], f"{candidate.id} {namespace}"

@@ -479,6 +479,27 @@ def test_background_jobs_start_highest_priority_first_and_a_job_is_raised_by_its
     assert order == [background._compiling[name] for name in ("kernel v", "kernel a", "kernel b", "kernel c")]
 
 
+def test_a_job_queued_ahead_starts_before_every_layers_own_is_shared_with_them_and_waited_on_by_none(monkeypatch):
+    import queue
+
+    from sparseconv.backends.compiling import Background
+
+    background = Background(workers=1)
+    waiting = queue.PriorityQueue()
+    monkeypatch.setattr(background, "_start", lambda: waiting)  # queued, never run
+    background.ready("large layer", print, (), "kernel b", priority=1e12)
+    background.ahead(print, (), "bridge kernel")
+    background.ahead(print, (), "bridge kernel")  # queued already: one entry
+    assert not background.ready("small layer", print, (), "bridge kernel", priority=1.0)  # the bridge's job, shared
+    assert background.queued() == 2  # the layers; nothing waits on the bridge itself
+    entries = []
+    while not waiting.empty():
+        entries.append(waiting.get()[2])
+    assert entries == [background._compiling["bridge kernel"], background._compiling["kernel b"]]
+    background._compiling["bridge kernel"].set_result(None)
+    assert background.compiled("bridge kernel") and background.wait(timeout=0) is False  # kernel b still waited on
+
+
 def test_prestarted_workers_start_before_any_job_and_take_the_first_jobs(tmp_path, monkeypatch):
     import background_fakes
 

@@ -576,3 +576,54 @@ def test_bench_tuner_prior_option_prints_the_accuracy_table(tmp_path, capsys, mo
     with pytest.raises(SystemExit, match="is not a file"):
         monkeypatch.setattr("sys.argv", ["bench_tuner.py", "--prior", str(tmp_path / "missing")])
         load_script("bench_tuner").main()
+
+
+def test_while_a_keys_kernels_compile_its_bridge_is_queued_ahead_and_runs_once_compiled_until_a_ranked_one_is(
+        monkeypatch, clock):
+    from sparseconv.tune import tuner as tuner_module
+
+    monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
+    monkeypatch.setattr(tuner_module.compiling, "applies", lambda device, deterministic: not deterministic)
+    monkeypatch.setattr(tuner_module, "INSTEAD", 2)  # levels 4 and 3 or 5: the bridge (level 0) is not among them
+    calls = Calls()
+    algorithm = _one_layer()
+    with registered(_speeds(calls, clock, bridge=lambda problem: {"level": 0})):
+        _seed_cache(fastest=4)
+        tuner = sparseconv.tune.get_tuner()
+        compiling = [True]
+        monkeypatch.setattr(tuner._compiles, "defer", lambda *args: compiling[0])
+        ahead: list = []
+        monkeypatch.setattr(tuner._compiles, "ahead", lambda namespace, problem, c, kernel_map: ahead.append(c.id))
+        compiled: set = {"fake_speeds[level=1]"}  # compiled, but neither ranked among the first nor the bridge
+        monkeypatch.setattr(tuner._compiles, "compiled", lambda namespace, problem, c, kernel_map: c.id in compiled)
+        background = tuner._compiles.background
+        assert algorithm() == "explicit_gemm"  # the bridge not compiled yet: the reference
+        assert ahead == ["fake_speeds[level=0]"]  # queued ahead of the product's own, at the first look
+        compiled.add("fake_speeds[level=0]")
+        background.finished += 1
+        assert algorithm() == "fake_speeds[level=0]"
+        compiled.add("fake_speeds[level=4]")
+        background.finished += 1
+        assert algorithm() == "fake_speeds[level=4]"  # a ranked candidate compiled: ahead of the bridge
+        assert ahead == ["fake_speeds[level=0]"]  # queued once
+        compiling[0] = False
+        assert algorithm() == "fake_speeds[level=3]"  # its sweep compiled: timed and settled
+
+
+def test_no_bridge_is_queued_where_kernels_do_not_compile_in_the_background(monkeypatch, clock):
+    from sparseconv.tune import tuner as tuner_module
+
+    monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
+    monkeypatch.setattr(tuner_module.compiling, "applies", lambda device, deterministic: False)
+    calls = Calls()
+    algorithm = _one_layer()
+    with registered(_speeds(calls, clock, bridge=lambda problem: {"level": 0})):
+        _seed_cache(fastest=4)
+        tuner = sparseconv.tune.get_tuner()
+        monkeypatch.setattr(tuner._compiles, "defer", lambda *args: True)
+        ahead: list = []
+        monkeypatch.setattr(tuner._compiles, "ahead", lambda *args: ahead.append(args))
+        monkeypatch.setattr(tuner._compiles, "compiled", lambda *args: True)
+        # (defer says compiling, yet background compiles are off for this device: a sweep deferred elsewhere)
+        assert algorithm() == "fake_speeds[level=4]"  # the best ranked candidate compiled, no bridge among them
+        assert ahead == []
