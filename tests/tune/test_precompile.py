@@ -430,6 +430,36 @@ def test_background_compiles_are_one_job_per_triton_kernel_shared_across_layers(
     assert set(compiles.background.compiles) == done
 
 
+def test_a_networks_bridges_are_a_few_kernels_for_all_its_layers():
+    """Every product's bridge (pools.bridge) for 39 layers of varied channels (4 -> 32 up to 384 -> 256, multiples of
+    16 or not), submanifold, strided and transposed, needs a handful of kernel jobs per namespace, where their tuned
+    tiles made ~90 for a street MinkUNet: each job compiles a kernel that serves many layers."""
+    from sparseconv.backends import registry
+    from sparseconv.backends.compiling import MapShape
+    from sparseconv.backends.problem import NAMESPACES, ConvProblem
+    from sparseconv.tune.pools import bridge
+    from sparseconv.tune.precompile import ChoiceCompiles, _sizeless
+
+    compiles, jobs = ChoiceCompiles(), {namespace: set() for namespace in NAMESPACES}
+    layers = 0
+    for size, stride, transposed, identity in (((3, 3, 3), 1, False, 13), ((2, 2, 2), 2, False, None),
+                                               ((2, 2, 2), 2, True, None)):
+        for c_in, c_out in ((4, 32), (32, 32), (32, 64), (64, 64), (64, 128), (128, 128), (128, 256), (256, 256),
+                            (256, 128), (128, 96), (96, 96), (384, 256), (160, 96)):
+            problem = ConvProblem(5000, 4000, c_in, c_out, size, (stride,) * 3, (1, 1, 1), transposed, False,
+                                  torch.float16, torch.device("cuda", 0))
+            shape = MapShape(5000, 4000, size, size[0] ** 3, identity, False, False)
+            layers += 1
+            for namespace in NAMESPACES:
+                candidate = bridge(namespace, problem)
+                backend = registry.get(candidate.backend)
+                args = (namespace, problem, dict(candidate.params_dict), shape)
+                jobs[namespace] |= {key for _, _, key in compiles._jobs(candidate, backend, args,
+                                                                         _sizeless(namespace, problem, shape))}
+    assert layers == 39
+    assert all(1 <= len(keys) <= 6 for keys in jobs.values()), {ns: len(keys) for ns, keys in jobs.items()}
+
+
 class _FakeMap:
     """What MapShape.of reads of a kernel map."""
 
