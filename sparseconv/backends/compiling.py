@@ -71,6 +71,7 @@ class Background:
         self._workers = workers or config.compile_workers() or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
         self._queue: queue.Queue | None = None
         self._jobs: dict[Hashable, concurrent.futures.Future] = {}  # by the caller's key
+        self._compiled: set[Hashable] = set()  # what finished jobs compiled, as compiled() found
         self._compiling: dict[Hashable, concurrent.futures.Future] = {}  # by what it compiles
         self._callers: dict[Hashable, Hashable] = {}  # key -> who waits on it
         self._order = itertools.count()  # queueing order, among jobs of equal priority
@@ -136,9 +137,15 @@ class Background:
 
     def compiled(self, compiles: Hashable) -> bool:
         """Whether a job compiling ``compiles`` (as :meth:`ready` names it) finished without error: its kernels are
-        loaded in this process (starts nothing)."""
+        loaded in this process (starts nothing). Once True, a set lookup (waiting products ask at every finished
+        job, for each kernel of each candidate they might run)."""
+        if compiles in self._compiled:
+            return True
         job = self._compiling.get(compiles)
-        return job is not None and job.done() and job.exception() is None
+        if job is None or not job.done() or job.exception() is not None:
+            return False
+        self._compiled.add(compiles)
+        return True
 
     def pending(self, key: Hashable) -> bool:
         """Whether ``key``'s compile is queued or running (starts nothing)."""

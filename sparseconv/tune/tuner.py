@@ -372,9 +372,10 @@ class Tuner:
                     # Last: a few kernels for every layer, queued first; the tuned ones win once compiled.
                     self._compiles.ahead(namespace, problem, passing, kernel_map)
                     among = among if passing in among else [*among, passing]
+                among = [(c, self._compiles.kernels(namespace, problem, c, kernel_map)) for c in among]
             else:
                 among = held[1]
-            found = next((c for c in among if self._compiles.compiled(namespace, problem, c, kernel_map)), None)
+            found = next((c for c, kernels in among if self._compiles.all_compiled(kernels)), None)
         except Exception:  # noqa: BLE001 - never costs the call: what needs no compile runs instead
             among, found = [], None
         self._instead[memo] = (finished, among, found)

@@ -447,7 +447,8 @@ def test_while_a_keys_sweep_compiles_it_runs_the_best_ranked_candidate_compiled_
         compiling = [True]
         monkeypatch.setattr(tuner._compiles, "defer", lambda *args: compiling[0])
         compiled: set = set()  # what finished background jobs compiled (for this product or another)
-        monkeypatch.setattr(tuner._compiles, "compiled", lambda namespace, problem, c, kernel_map: c.id in compiled)
+        monkeypatch.setattr(tuner._compiles, "kernels", lambda namespace, problem, c, kernel_map: (c.id,))
+        monkeypatch.setattr(tuner._compiles.background, "compiled", lambda kernel: kernel in compiled)
         background = tuner._compiles.background
         assert algorithm() == "explicit_gemm"  # nothing compiled yet: the reference
         compiled.add("fake_speeds[level=1]")
@@ -595,7 +596,8 @@ def test_while_a_keys_kernels_compile_its_bridge_is_queued_ahead_and_runs_once_c
         ahead: list = []
         monkeypatch.setattr(tuner._compiles, "ahead", lambda namespace, problem, c, kernel_map: ahead.append(c.id))
         compiled: set = {"fake_speeds[level=1]"}  # compiled, but neither ranked among the first nor the bridge
-        monkeypatch.setattr(tuner._compiles, "compiled", lambda namespace, problem, c, kernel_map: c.id in compiled)
+        monkeypatch.setattr(tuner._compiles, "kernels", lambda namespace, problem, c, kernel_map: (c.id,))
+        monkeypatch.setattr(tuner._compiles.background, "compiled", lambda kernel: kernel in compiled)
         background = tuner._compiles.background
         assert algorithm() == "explicit_gemm"  # the bridge not compiled yet: the reference
         assert ahead == ["fake_speeds[level=0]"]  # queued ahead of the product's own, at the first look
@@ -623,7 +625,8 @@ def test_no_bridge_is_queued_where_kernels_do_not_compile_in_the_background(monk
         monkeypatch.setattr(tuner._compiles, "defer", lambda *args: True)
         ahead: list = []
         monkeypatch.setattr(tuner._compiles, "ahead", lambda *args: ahead.append(args))
-        monkeypatch.setattr(tuner._compiles, "compiled", lambda *args: True)
+        monkeypatch.setattr(tuner._compiles, "kernels", lambda namespace, problem, c, kernel_map: (c.id,))
+        monkeypatch.setattr(tuner._compiles.background, "compiled", lambda kernel: True)
         # (defer says compiling, yet background compiles are off for this device: a sweep deferred elsewhere)
         assert algorithm() == "fake_speeds[level=4]"  # the best ranked candidate compiled, no bridge among them
         assert ahead == []
