@@ -316,8 +316,8 @@ def table_tiles(problem: ConvProblem) -> list[Mapping]:
 def bridge(problem: ConvProblem) -> Mapping:
     """The tile over the table alone with its rows unsorted (a graphed pass's kind of product): no view to build
     per map, and one kernel per table width and channel alignment serves every layer of a network of channels in
-    multiples of 16, forward and dgrad (a cold MinkUNet's tuned tiles are ~30 kernels), where its gathers are
-    cheap against explicit_gemm_table's copies (Backend.bridge)."""
+    multiples of 16, forward and dgrad, where its gathers are cheap against explicit_gemm_table's copies
+    (Backend.bridge)."""
     wide = max(problem.in_channels, problem.out_channels) > 16
     return _table_params(WIDE_TABLE_TILES[-1] if wide else NARROW_TABLE_TILES[-1], False)
 

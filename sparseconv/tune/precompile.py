@@ -97,38 +97,32 @@ class ChoiceCompiles:
     def ahead(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> None:
         """Queue ``candidate``'s kernels for ``problem`` ahead of every product's own (a bridge,
         :func:`.pools.bridge`: a few kernels serving every layer, which the products waiting on theirs look for with
-        :meth:`compiled`); no product waits on them. Nothing for a backend without a ``precompile`` hook."""
-        backend = registry.get(candidate.backend)
-        if backend.precompile is None:
-            return
-        shape = MapShape.of(kernel_map)
-        args = (namespace, problem, dict(candidate.params_dict), shape)
-        for hook, hook_args, compiles in self._jobs(candidate, backend, args, _sizeless(namespace, problem, shape)):
+        :meth:`all_compiled`); no product waits on them. Nothing for a backend without a ``precompile`` hook."""
+        for hook, hook_args, compiles in self._candidate_jobs(namespace, problem, candidate, kernel_map):
             self.background.ahead(hook, hook_args, compiles)
-
-    def compiled(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> bool:
-        """Whether ``candidate``'s kernels for ``problem`` were compiled by finished background jobs, for this product
-        or for any other needing the same kernels (they are loaded here: :meth:`Background.compiled`). Queues
-        nothing; False for a backend without a ``precompile`` hook (compiled in its first call, if at all)."""
-        return self.all_compiled(self.kernels(namespace, problem, candidate, kernel_map))
 
     def kernels(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> tuple:
         """What the background jobs ``candidate`` needs for ``problem`` compile (as :meth:`Background.compiled` names
         them); () for a backend without a ``precompile`` hook. Queues nothing. A caller looking again and again (a
-        waiting product, at every finished job) keeps these and asks :meth:`all_compiled`: 12-27 µs a candidate of 8
-        kernels through :meth:`compiled` (the map's shape and the size-less problem made again), 4 µs there (2-core
-        CPU host, 2026-12-07)."""
-        backend = registry.get(candidate.backend)
-        if backend.precompile is None:
-            return ()
-        shape = MapShape.of(kernel_map)
-        sizeless = _sizeless(namespace, problem, shape)
-        jobs = self._jobs(candidate, backend, (namespace, problem, dict(candidate.params_dict), shape), sizeless)
-        return tuple(compiles for _, _, compiles in jobs)
+        waiting product, at every finished job) keeps these and asks :meth:`all_compiled`: 4 µs a candidate of 8
+        kernels, where making them again each time (the map's shape, the size-less problem) took 12-27 µs (2-core CPU
+        host, 2026-12-07)."""
+        return tuple(compiles for _, _, compiles in self._candidate_jobs(namespace, problem, candidate, kernel_map))
 
     def all_compiled(self, kernels: tuple) -> bool:
-        """Whether finished background jobs compiled all of ``kernels`` (:meth:`kernels`; False for none)."""
+        """Whether finished background jobs compiled all of ``kernels`` (:meth:`kernels`; False for none), for the
+        product asking or for any other needing the same kernels (they are loaded here: :meth:`Background.compiled`)."""
         return bool(kernels) and all(self.background.compiled(compiles) for compiles in kernels)
+
+    def _candidate_jobs(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap
+                        ) -> list[tuple]:
+        """:meth:`_jobs` of ``candidate`` for this product; [] for a backend without a ``precompile`` hook."""
+        backend = registry.get(candidate.backend)
+        if backend.precompile is None:
+            return []
+        shape = MapShape.of(kernel_map)
+        args = (namespace, problem, dict(candidate.params_dict), shape)
+        return self._jobs(candidate, backend, args, _sizeless(namespace, problem, shape))
 
     def _jobs(self, candidate: Candidate, backend: registry.Backend, args: tuple, sizeless: tuple) -> list[tuple]:
         """(hook, its arguments, what it compiles) of each background job ``candidate`` needs for ``args``: one a

@@ -367,11 +367,11 @@ class Tuner:
                 ranked = prior.ranked(self.cache, namespace, key,
                                       candidate_pool(namespace, problem, mode, effort, key.deterministic))
                 among = ranked[:ranked.index(fallback) if fallback in ranked else len(ranked)][:INSTEAD]
-                passing = bridge(namespace, problem) if compiling.applies(problem.device, key.deterministic) else None
-                if passing is not None and (mode.level is not None or passing.backend in mode.names):
+                generic = bridge(namespace, problem) if compiling.applies(problem.device, key.deterministic) else None
+                if generic is not None and (mode.level is not None or generic.backend in mode.names):
                     # Last: a few kernels for every layer, queued first; the tuned ones win once compiled.
-                    self._compiles.ahead(namespace, problem, passing, kernel_map)
-                    among = among if passing in among else [*among, passing]
+                    self._compiles.ahead(namespace, problem, generic, kernel_map)
+                    among = among if generic in among else [*among, generic]
                 among = [(c, self._compiles.kernels(namespace, problem, c, kernel_map)) for c in among]
             else:
                 among = held[1]

@@ -425,8 +425,8 @@ def test_background_compiles_are_one_job_per_triton_kernel_shared_across_layers(
     # whose kernels specialise otherwise does not, and looking queues nothing.
     done = set(compiles.background.compiles)
     compiles.background.compiled = lambda key: key in done
-    assert compiles.compiled(FWD, *(lambda p, s: (p, candidate, _FakeMap(s)))(*layer(64, 128)))
-    assert not compiles.compiled(FWD, *(lambda p, s: (p, candidate, _FakeMap(s)))(*layer(6, 10)))
+    assert compiles.all_compiled(compiles.kernels(FWD, *(lambda p, s: (p, candidate, _FakeMap(s)))(*layer(64, 128))))
+    assert not compiles.all_compiled(compiles.kernels(FWD, *(lambda p, s: (p, candidate, _FakeMap(s)))(*layer(6, 10))))
     assert set(compiles.background.compiles) == done
 
 
