@@ -29,11 +29,12 @@ from .configs import Candidate
 from .distributed import Ranks
 from .evidence import Evidence, cost, pick
 from .key import TuneKey, make_key
-from .pools import FALLBACK, AlgoMode, bridge, candidate_pool, meanwhile, resolve_mode
+from .pools import FALLBACK, AlgoMode, candidate_pool, meanwhile, resolve_mode
 from .precompile import ChoiceCompiles
 from .stand_ins import StandIns
 from .sweep import compile_and_sweep, log_sweep, refuse_tuning_in_trace, retime
 from .timing import CLOSE
+from .waiting import Waiting
 
 logger = logging.getLogger("sparseconv.tune")
 
@@ -63,8 +64,7 @@ class Tuner:
         self._adoptions = 0  # choices _adopted settled
         # memo -> the candidates this process timed for it in earlier calls, while its sweep is spread over calls
         self._sweeps: dict[tuple, list[Candidate]] = {}
-        # memo -> (background jobs finished when looked, candidates to look among, the compiled one): _compiled_instead
-        self._instead: dict[tuple, tuple[int, list[Candidate], Candidate | None]] = {}
+        self._waiting = Waiting(self._compiles)  # compiled candidates for products waiting on their kernels
 
     @property
     def cache(self) -> TuneCache:
@@ -197,7 +197,7 @@ class Tuner:
                         running = self._meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
                         return running, registry.get(running.backend), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
-                    self._instead.pop(memo, None)
+                    self._waiting.settled(memo)
                     if key is not None:
                         self._stand_ins.settled(memo, key, candidate)
         return (*choice, True)
@@ -343,43 +343,11 @@ class Tuner:
     def _meanwhile(self, memo: tuple, namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str,
                    key: TuneKey | None, kernel_map: KernelMap) -> Candidate:
         """What ``memo`` runs while its kernels compile or its sweep waits: its loaded stand-in, else a candidate of
-        its pool whose kernels are compiled already (:meth:`_compiled_instead`), else what needs no compile
+        its pool whose kernels are compiled already (:meth:`.waiting.Waiting.compiled`), else what needs no compile
         (:func:`.pools.meanwhile`)."""
-        return (self._stand_ins.loaded(memo) or self._compiled_instead(memo, namespace, problem, mode, effort, key,
-                                                                       kernel_map) or meanwhile(problem))
-
-    def _compiled_instead(self, memo: tuple, namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str,
-                          key: TuneKey | None, kernel_map: KernelMap) -> Candidate | None:
-        """The first of ``memo``'s pool by predicted cost, among the :data:`INSTEAD` it ranks first and ahead of what
-        needs no compile, whose kernels a finished background job compiled (for this product or another one needing
-        the same kernels: a cold network's products share a few dozen kernels), else the namespace's bridge
-        (:func:`.pools.bridge`, whose kernels the first look queues ahead of all others); None if there is none. Looked
-        up again only when a background job has finished since."""
-        if key is None:
-            return None
-        finished = self._compiles.background.finished
-        held = self._instead.get(memo)
-        if held is not None and held[0] == finished:
-            return held[2]
-        try:
-            if held is None:
-                fallback = meanwhile(problem)
-                ranked = prior.ranked(self.cache, namespace, key,
-                                      candidate_pool(namespace, problem, mode, effort, key.deterministic))
-                among = ranked[:ranked.index(fallback) if fallback in ranked else len(ranked)][:INSTEAD]
-                generic = bridge(namespace, problem) if compiling.applies(problem.device, key.deterministic) else None
-                if generic is not None and (mode.level is not None or generic.backend in mode.names):
-                    # Last: a few kernels for every layer, queued first; the tuned ones win once compiled.
-                    self._compiles.ahead(namespace, problem, generic, kernel_map)
-                    among = among if generic in among else [*among, generic]
-                among = [(c, self._compiles.kernels(namespace, problem, c, kernel_map)) for c in among]
-            else:
-                among = held[1]
-            found = next((c for c, kernels in among if self._compiles.all_compiled(kernels)), None)
-        except Exception:  # noqa: BLE001 - never costs the call: what needs no compile runs instead
-            among, found = [], None
-        self._instead[memo] = (finished, among, found)
-        return found
+        return (self._stand_ins.loaded(memo)
+                or self._waiting.compiled(memo, self.cache, namespace, problem, mode, effort, key, kernel_map)
+                or meanwhile(problem))
 
     def _to_time(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence,
                  sweeping: bool = False) -> list[Candidate]:
@@ -486,10 +454,6 @@ class Tuner:
         }
         self.cache.put(namespace, encoded, entry)
 
-
-INSTEAD = 8
-"""How many of a waiting product's candidates, ranked by predicted cost, :meth:`Tuner._compiled_instead` looks
-among for one compiled already."""
 
 SWEEP_IN_BACKGROUND = prior.QUICK_TOP + 5
 """A sweep of at most this many candidates (the cost model's three picks and up to five it has no data

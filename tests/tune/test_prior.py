@@ -18,7 +18,7 @@ from fakes import Calls, VirtualClock, registered
 import sparseconv.tune
 from sparseconv.ops import sparse_conv3d
 from sparseconv.backends import Backend, explicit
-from sparseconv.tune import prior
+from sparseconv.tune import prior, waiting
 from sparseconv.tune.cache import TuneCache
 from sparseconv.tune.configs import Candidate
 from sparseconv.tune.key import TuneKey, device_identity
@@ -462,7 +462,7 @@ def test_while_a_keys_sweep_compiles_it_runs_the_best_ranked_candidate_compiled_
         compiling[0] = False
         assert algorithm() == "fake_speeds[level=3]"  # its sweep compiled: timed and settled
         assert {i for i in range(6) if calls.of(f"fake_speeds[{i}]") > (1 if i in (1, 4) else 0)} == {3, 4, 5}
-        assert not tuner._instead  # settled: nothing kept for it
+        assert not len(tuner._waiting)  # settled: nothing kept for it
 
 
 def test_inside_a_waived_stretch_a_new_key_is_timed_at_once_where_kernels_compile_in_the_background(monkeypatch, clock):
@@ -585,7 +585,7 @@ def test_while_a_keys_kernels_compile_its_bridge_is_queued_ahead_and_runs_once_c
 
     monkeypatch.setattr(tuner_module.compiling, "in_background", lambda a, deterministic: not deterministic)
     monkeypatch.setattr(tuner_module.compiling, "applies", lambda device, deterministic: not deterministic)
-    monkeypatch.setattr(tuner_module, "INSTEAD", 2)  # levels 4 and 3 or 5: the bridge (level 0) is not among them
+    monkeypatch.setattr(waiting, "INSTEAD", 2)  # levels 4 and 3 or 5: the bridge (level 0) is not among them
     calls = Calls()
     algorithm = _one_layer()
     with registered(_speeds(calls, clock, bridge=lambda problem: {"level": 0})):
