@@ -75,6 +75,13 @@ def with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((1, x.shape[1]))])
 
 
+def gathered(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source[index]`` for a (G, L) ``index`` of rows, as (G, L, C): through ``index_select``, which copies whole
+    rows where indexing runs an element-wise kernel on a CPU (6x8192 rows of 8 / 32 / 64 floats, 2 cores:
+    0.13 / 0.18 / 0.66 ms against 0.62 / 1.70 / 2.97)."""
+    return source.index_select(0, index.reshape(-1)).view(*index.shape, source.shape[1])
+
+
 def _chunks(group: OffsetGroup, row_bytes: int) -> list[tuple[int, int]]:
     """(start, end) column ranges of ``group``'s (G, L) indices, each gathering and multiplying at most
     :data:`WORKSPACE_BYTES` (``row_bytes``: what one pair takes), in multiples of L's row step."""
@@ -94,7 +101,7 @@ def forward(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, params: Map
     for g in _groups(kernel_map, params):
         weights = b[g.offsets]
         for start, end in _chunks(g, row_bytes):
-            products = torch.bmm(source[g.in_idx[:, start:end]], weights)
+            products = torch.bmm(gathered(source, g.in_idx[:, start:end]), weights)
             out.index_add_(0, g.out_idx[:, start:end].flatten(), products.reshape(-1, b.shape[2]).to(out.dtype))
     return out[:-1].to(a.dtype)
 
@@ -109,7 +116,7 @@ def dgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, params: Mappi
     for g in _groups(kernel_map, params):
         weights = b[g.offsets].transpose(1, 2)
         for start, end in _chunks(g, row_bytes):
-            products = torch.bmm(source[g.out_idx[:, start:end]], weights)
+            products = torch.bmm(gathered(source, g.out_idx[:, start:end]), weights)
             out.index_add_(0, g.in_idx[:, start:end].flatten(), products.reshape(-1, b.shape[1]).to(out.dtype))
     return out[:-1].to(a.dtype)
 
@@ -124,11 +131,12 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, params: Mappi
     for g in _groups(kernel_map, params):
         chunks = _chunks(g, row_bytes)
         if len(chunks) == 1:
-            out[g.offsets] = torch.bmm(a_padded[g.in_idx].transpose(1, 2), b_padded[g.out_idx])
+            out[g.offsets] = torch.bmm(gathered(a_padded, g.in_idx).transpose(1, 2), gathered(b_padded, g.out_idx))
             continue
         total = None  # the chunks' products summed in at least float32 (as cuBLAS sums each), in order: repeatable
         for start, end in chunks:
-            product = torch.bmm(a_padded[g.in_idx[:, start:end]].transpose(1, 2), b_padded[g.out_idx[:, start:end]])
+            product = torch.bmm(gathered(a_padded, g.in_idx[:, start:end]).transpose(1, 2),
+                                gathered(b_padded, g.out_idx[:, start:end]))
             total = product.to(accumulator_dtype(product.dtype)) if total is None else total.add_(product)
         out[g.offsets] = total.to(out.dtype)
     return out
