@@ -94,12 +94,15 @@ class ChoiceCompiles:
             self._waiting.pop(memo, None)
         return bool(waiting)
 
-    def ahead(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> None:
+    def ahead(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> tuple:
         """Queue ``candidate``'s kernels for ``problem`` ahead of every product's own (a bridge,
         :func:`.pools.bridge`: a few kernels serving every layer, which the products waiting on theirs look for with
-        :meth:`all_compiled`); no product waits on them. Nothing for a backend without a ``precompile`` hook."""
-        for hook, hook_args, compiles in self._candidate_jobs(namespace, problem, candidate, kernel_map):
+        :meth:`all_compiled`); no product waits on them. Returns what they compile (:meth:`kernels`); nothing is
+        queued, and () returned, for a backend without a ``precompile`` hook."""
+        jobs = self._candidate_jobs(namespace, problem, candidate, kernel_map)
+        for hook, hook_args, compiles in jobs:
             self.background.ahead(hook, hook_args, compiles)
+        return tuple(compiles for _, _, compiles in jobs)
 
     def kernels(self, namespace: str, problem: ConvProblem, candidate: Candidate, kernel_map: KernelMap) -> tuple:
         """What the background jobs ``candidate`` needs for ``problem`` compile (as :meth:`Background.compiled` names

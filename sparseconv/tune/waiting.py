@@ -67,9 +67,11 @@ class Waiting:
         fallback = meanwhile(problem)
         ranked = prior.ranked(cache, namespace, key, candidate_pool(namespace, problem, mode, effort, key.deterministic))
         among = ranked[:ranked.index(fallback) if fallback in ranked else len(ranked)][:INSTEAD]
+        kernels = {}
         generic = bridge(namespace, problem) if compiling.applies(problem.device, key.deterministic) else None
         if generic is not None and (mode.level is not None or generic.backend in mode.names):
             # Last: a few kernels for every layer, queued first; the tuned ones win once compiled.
-            self._compiles.ahead(namespace, problem, generic, kernel_map)
+            kernels[generic] = self._compiles.ahead(namespace, problem, generic, kernel_map)
             among = among if generic in among else [*among, generic]
-        return [(c, self._compiles.kernels(namespace, problem, c, kernel_map)) for c in among]
+        return [(c, kernels[c] if c in kernels else self._compiles.kernels(namespace, problem, c, kernel_map))
+                for c in among]

@@ -430,6 +430,35 @@ def test_background_compiles_are_one_job_per_triton_kernel_shared_across_layers(
     assert set(compiles.background.compiles) == done
 
 
+def test_ahead_queues_a_candidates_kernels_and_returns_what_they_compile():
+    """ChoiceCompiles.ahead returns the kernel keys it queued (what kernels() names), so the waiting product that
+    queued a bridge need not make them again; () and nothing queued for a backend without a precompile hook."""
+    from sparseconv.backends.compiling import MapShape
+    from sparseconv.backends.problem import ConvProblem
+    from sparseconv.tune.configs import Candidate
+    from sparseconv.tune.precompile import ChoiceCompiles
+
+    class Ahead:
+        def __init__(self):
+            self.queued = []
+
+        def ahead(self, hook, args, compiles):
+            self.queued.append(compiles)
+
+    problem = ConvProblem(5000, 5000, 32, 64, (3, 3, 3), (1, 1, 1), (1, 1, 1), False, False, torch.float16,
+                          torch.device("cuda", 0))
+    kernel_map = _FakeMap(MapShape(5000, 5000, (3, 3, 3), 27, 13, False, False))
+    candidate = Candidate.of("mask_implicit_gemm", {"block_k": 32, "block_m": 64, "block_n": 64, "num_stages": 3,
+                                                    "num_warps": 4, "sort": False, "splits": 1})
+    compiles = ChoiceCompiles()
+    compiles.background = Ahead()
+    returned = compiles.ahead(FWD, problem, candidate, kernel_map)
+    assert returned and list(returned) == compiles.background.queued
+    assert returned == compiles.kernels(FWD, problem, candidate, kernel_map)
+    assert compiles.ahead(FWD, problem, Candidate("explicit_gemm"), kernel_map) == ()
+    assert len(compiles.background.queued) == len(returned)
+
+
 def test_a_networks_bridges_are_a_few_kernels_for_all_its_layers():
     """Every product's bridge (pools.bridge) for 39 layers of varied channels (4 -> 32 up to 384 -> 256, multiples of
     16 or not), submanifold, strided and transposed, needs a handful of kernel jobs per namespace, where their tuned

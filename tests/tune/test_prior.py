@@ -594,7 +594,8 @@ def test_while_a_keys_kernels_compile_its_bridge_is_queued_ahead_and_runs_once_c
         compiling = [True]
         monkeypatch.setattr(tuner._compiles, "defer", lambda *args: compiling[0])
         ahead: list = []
-        monkeypatch.setattr(tuner._compiles, "ahead", lambda namespace, problem, c, kernel_map: ahead.append(c.id))
+        monkeypatch.setattr(tuner._compiles, "ahead",
+                            lambda namespace, problem, c, kernel_map: ahead.append(c.id) or (c.id,))
         compiled: set = {"fake_speeds[level=1]"}  # compiled, but neither ranked among the first nor the bridge
         monkeypatch.setattr(tuner._compiles, "kernels", lambda namespace, problem, c, kernel_map: (c.id,))
         monkeypatch.setattr(tuner._compiles.background, "compiled", lambda kernel: kernel in compiled)
