@@ -34,10 +34,10 @@ from sparseconv.data import make_scene
 from sparseconv.nn import BatchNorm, ReLU, Sequential, SparseConv3d, SparseConvTranspose3d
 from sparseconv.ops import NAMESPACES
 from sparseconv.tune import TuneCache
-# Internal on purpose: --prior scores the tuner's cost model (tune.prior) itself, and the naive torch column
+# Internal on purpose: --prior scores the tuner's cost model (tune.prior, tune.accuracy) itself, and the naive torch column
 # is a backend this script registers in the registry (Backend, register), pinned like any algorithm.
 from sparseconv.backends import Backend, register
-from sparseconv.tune import prior
+from sparseconv.tune import accuracy, prior
 
 
 def naive_run(namespace, problem, params, a, b, kernel_map):
@@ -86,7 +86,7 @@ def prior_table(path: str, folds: int, seed: int) -> str:
     if not os.path.isfile(path):
         raise SystemExit(f"--prior: {path!r} is not a file")
     entries = TuneCache(path).items()
-    rows = prior.holdout_accuracy(entries, folds=folds, seed=seed)
+    rows = accuracy.holdout_accuracy(entries, folds=folds, seed=seed)
     header = ["namespace", "device", "keys", "scored", "top-1", f"top-{prior.QUICK_TOP}", "slowdown top-1",
               f"best of top-{prior.QUICK_TOP}", "worst", "fixed pick"]
     table = [[r.namespace, r.device, str(r.keys), str(r.scored), f"{r.top1:.0%}", f"{r.top3:.0%}",

@@ -110,21 +110,6 @@ def test_host_time_bounds_the_predicted_cost():
     assert predicted["small"] == pytest.approx(5.0, rel=0.01)
 
 
-def test_held_out_keys_are_ranked_well_from_a_cache_file(tmp_path):
-    path = tmp_path / "gpu.msgpack"
-    cache = TuneCache(path)
-    for namespace, encoded, e in synthetic(200, seed=4, noise=0.03):
-        cache.put(namespace, encoded, e)
-    cache.flush(force=True)
-    rows = prior.holdout_accuracy(TuneCache(path).items(), folds=5)
-    assert len(rows) == 1
-    row = rows[0]
-    assert (row.namespace, row.device, row.scored) == (FWD, DEVICE, row.keys) and row.keys >= 150
-    assert row.top1 >= 0.85 and row.top3 == 1.0, row
-    assert row.slowdown_top1 < 1.03 and row.slowdown_best_of_top3 == 1.0, row
-    assert row.slowdown_static > row.slowdown_top1, row  # the winner moves with the shape: a fixed pick loses
-
-
 def test_without_enough_data_the_pool_keeps_its_heuristic_order(tmp_path):
     cache = TuneCache(tmp_path / "c.msgpack")
     key = TuneKey(FWD, 30, 30, 4, 64, 64, 27, "s1x1x1", "float16", DEVICE)
