@@ -1,18 +1,17 @@
 """The tuner: for each product of each conv call, which backend and parameters run.
 
-Single-name modes run that backend untouched. Otherwise the tuner looks up the problem's key in
-the cache file, times only the pool's candidates that have no current timing there (under effort
-quick, only those the cost model of prior.py ranks first), compiled in parallel first, guards each
-against ``explicit_gemm`` on the same inputs, re-times close finishers interleaved, agrees with
-the other ranks, remembers the choice for the process and stores every timing.
+Single-name modes run that backend untouched. Otherwise the tuner keys the product (:mod:`.key`) and remembers the
+choice for the process under it: a key not settled yet is adopted from a timed sibling, runs a stand-in while its
+sweep waits, or is decided from the cache file's evidence (:mod:`.decide`: the pool's candidates without a current
+timing there, compiled in parallel, each guarded against ``explicit_gemm`` on the same inputs, close finishers
+re-timed, agreed with the other ranks, every timing stored). A settled choice's prepared call is kept in the map's
+use in its batch.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -21,22 +20,17 @@ from ..coords.batch import MapUse
 from ..coords.kernel_map import KernelMap
 from ..backends import compiling, registry
 from ..backends.problem import ConvProblem, layer_problem
-from . import prior
 from .budget import TimingBudget
 from .cache import TuneCache
-from .choice import Progress, Provisional, adopt, current, execute
+from .choice import Progress, Provisional, current, execute
 from .configs import Candidate
+from .decide import Decider
 from .distributed import Ranks
-from .evidence import Evidence, cost, pick
 from .key import TuneKey, make_key
-from .pools import FALLBACK, AlgoMode, candidate_pool, meanwhile, resolve_mode
+from .pools import AlgoMode, candidate_pool, resolve_mode
 from .precompile import ChoiceCompiles
 from .stand_ins import StandIns
-from .sweep import compile_and_sweep, log_sweep, refuse_tuning_in_trace, retime
-from .timing import CLOSE
 from .waiting import Waiting
-
-logger = logging.getLogger("sparseconv.tune")
 
 
 AHEAD = "AB_gather_scatter"
@@ -56,15 +50,21 @@ class Tuner:
         self._cache = cache
         self._choices: dict[tuple, tuple[Candidate, registry.Backend]] = {}
         self._lock = threading.Lock()
-        self._reported: set[str] = set()  # candidates whose failure was logged as a warning
         self._compiles = compiles or ChoiceCompiles()  # no worker until a first choice compiles there
-        self._ranks = ranks or Ranks()
-        self.budget = budget or TimingBudget()
         self._stand_ins = StandIns()  # what keys run untimed
         self._adoptions = 0  # choices _adopted settled
-        # memo -> the candidates this process timed for it in earlier calls, while its sweep is spread over calls
-        self._sweeps: dict[tuple, list[Candidate]] = {}
         self._waiting = Waiting(self._compiles)  # compiled candidates for products waiting on their kernels
+        self._decider = Decider(lambda: self.cache, self._compiles, ranks or Ranks(), self._stand_ins,
+                                self._waiting, budget or TimingBudget())
+
+    @property
+    def budget(self) -> TimingBudget:
+        """The share of wall time timing may take inside calls (the decider's: :mod:`.budget`)."""
+        return self._decider.budget
+
+    @budget.setter
+    def budget(self, budget: TimingBudget) -> None:
+        self._decider.budget = budget
 
     @property
     def cache(self) -> TuneCache:
@@ -168,7 +168,7 @@ class Tuner:
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
                 # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else what
                 # needs no compile.
-                running = loaded or self._meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
+                running = loaded or self._decider.meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
                 return running, registry.get(running.backend), False
             if loaded is not None and not self.budget.allows():
                 # Loaded and waiting for the budget: no pool, no cache read (~0.4 ms a call, 76 calls of a step).
@@ -180,13 +180,14 @@ class Tuner:
                     if mode.single:
                         candidate = candidate_pool(namespace, problem, mode, effort, deterministic)[0]
                     else:
-                        candidate, compiled = self._decide(namespace, key, problem, mode, effort, a, b, kernel_map,
-                                                           memo)
+                        candidate, compiled = self._decider.decide(namespace, key, problem, mode, effort, a, b,
+                                                                   kernel_map, memo)
                     if isinstance(candidate, Provisional):
                         candidate = candidate.candidate
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
-                            running = self._meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
+                            running = self._decider.meanwhile(memo, namespace, problem, mode, effort, key,
+                                                                     kernel_map)
                             return running, registry.get(running.backend), False
                         # Its kernels are loaded if it is the stand-in: the fast path above (not the reference a
                         # sweep runs while its candidates compile, nor another rank's provisional pick).
@@ -194,7 +195,8 @@ class Tuner:
                         return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
-                        running = self._meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
+                        running = self._decider.meanwhile(memo, namespace, problem, mode, effort, key,
+                                                                     kernel_map)
                         return running, registry.get(running.backend), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
                     self._waiting.settled(memo)
@@ -274,101 +276,12 @@ class Tuner:
             untimed = len(self._stand_ins)
         return Progress(settled, untimed, self._compiles.background.compiling(), self.budget.spent_s, self._adoptions)
 
-    def _decide(self, namespace: str, key: TuneKey, problem: ConvProblem, mode: AlgoMode, effort: str,
-                a: torch.Tensor, b: torch.Tensor, kernel_map: KernelMap, memo: tuple = ()
-                ) -> tuple[Candidate | Provisional, bool]:
-        """(the choice, whether its kernels must compile in the call: not both decided by an earlier
-        passing timing on this device and left uncompiled by this call's sweep)."""
-        pool = candidate_pool(namespace, problem, mode, effort, key.deterministic) or [Candidate(FALLBACK)]
-        if len(pool) == 1:
-            return pool[0], True  # one candidate (the reference alone, or a listed backend's one set): nothing to time
-        encoded = key.encode()
-        evidence = Evidence.read(self.cache, namespace, encoded)
-        missing = self._to_time(namespace, key, pool, effort, evidence, memo in self._sweeps)
-        fresh: list[Candidate] = []
-        started = time.perf_counter()
-        if missing:
-            stand_in = self._stand_ins.pick(namespace, key, pool, effort, evidence, a, memo, self.budget, self.cache)
-            if stand_in is not None:
-                return Provisional(stand_in), False  # its kernels may compile in the background meanwhile
-            elsewhere = self._timed_elsewhere(namespace, encoded, problem, pool, a, key.deterministic)
-            if elsewhere is not None:
-                return elsewhere
-            refuse_tuning_in_trace(namespace, encoded, a)
-            sliced = self._slices(effort, key)
-            swept = self._sweep(namespace, key, problem, pool, missing, effort, evidence, a, b, kernel_map, memo,
-                                self.budget.per_call if sliced else None)
-            if swept is None:
-                # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
-                # claim stays ours: other ranks run the pool's first until the choice is published.
-                return Provisional(self._meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)), True
-            fresh = swept
-            if sliced and fresh:
-                # The rest of the sweep (and the re-timing of close finishers) waits for later calls.
-                self.budget.spend(time.perf_counter() - started)
-                return self._sweep_goes_on(memo, problem, pool, evidence, fresh,
-                                           lambda: self._meanwhile(memo, namespace, problem, mode, effort, key,
-                                                                   kernel_map))
-        fresh = [*self._sweeps.pop(memo, ()), *fresh]
-        choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
-        timed_s = time.perf_counter() - started
-        choice = adopt(self._ranks.agree(namespace, encoded, choice.id), pool, choice)
-        if fresh:
-            self.budget.spend(timed_s)
-            self._stand_ins.timed(memo)
-            self._store(namespace, encoded, evidence.timings)
-        log_sweep(namespace, encoded, pool, evidence.timings, choice, fresh)
-        # Its compile may wait for the background only if it compiled and passed on this device
-        # before (this process compiled the ones it timed just now).
-        return choice, choice in fresh or not evidence.passed(choice)
-
-    def _slices(self, effort: str, key: TuneKey) -> bool:
-        """Whether a sweep of this key is spread over calls (:attr:`TimingBudget.per_call` candidates a call): under
-        effort quick, outside :meth:`TimingBudget.waived` (a moment chosen to tune) and deterministic mode (where
-        what ran would depend on how often a layer is called)."""
-        return effort == "quick" and not key.deterministic and not self.budget.waiving and bool(self.budget.per_call)
-
-    def _sweep_goes_on(self, memo: tuple, problem: ConvProblem, pool: list[Candidate], evidence: Evidence,
-                       fresh: list[Candidate], otherwise: Callable[[], Candidate]) -> tuple[Provisional, bool]:
-        """What a key whose sweep goes on in later calls runs meanwhile: the best candidate that passed so far (it
-        ran in this process if timed here), else ``otherwise()`` (:meth:`_meanwhile`)."""
-        timed = self._sweeps[memo] = [*self._sweeps.get(memo, ()), *fresh]
-        passing = evidence.passing(pool)
-        if not passing:
-            return Provisional(otherwise()), True
-        best = evidence.best(passing)
-        self._stand_ins.hold(memo, best, best in timed)
-        return Provisional(best), best in timed
-
-    def _meanwhile(self, memo: tuple, namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str,
-                   key: TuneKey | None, kernel_map: KernelMap) -> Candidate:
-        """What ``memo`` runs while its kernels compile or its sweep waits: its loaded stand-in, else a candidate of
-        its pool whose kernels are compiled already (:meth:`.waiting.Waiting.compiled`), else what needs no compile
-        (:func:`.pools.meanwhile`)."""
-        return (self._stand_ins.loaded(memo)
-                or self._waiting.compiled(memo, self.cache, namespace, problem, mode, effort, key, kernel_map)
-                or meanwhile(problem))
-
-    def _to_time(self, namespace: str, key: TuneKey, pool: list[Candidate], effort: str, evidence: Evidence,
-                 sweeping: bool = False) -> list[Candidate]:
-        """The candidates of ``pool`` to time for this key (none under effort ``none``); ``sweeping``: this
-        process's sweep of the key goes on (its timings so far are not a recorded decision)."""
-        if effort == "none":
-            return []
-        missing = evidence.untimed(pool)
-        if missing and not sweeping and not evidence.stale(missing) and effort == "quick" and evidence.any_passed(pool):
-            # A recorded decision (this cache's or the shipped one's) stands under quick while its
-            # backends are unchanged: only candidates the cost model knows nothing of are timed,
-            # not the picks of a model refitted on more data since.
-            missing = prior.unknown(self.cache, namespace, key, missing)
-        return missing
-
     def _adopted(self, namespace: str, memo: tuple, key: TuneKey | None, effort: str, problem: ConvProblem
                  ) -> tuple[Candidate, registry.Backend] | None:
         """A new key's choice adopted from its family, settled untimed (:meth:`.stand_ins.StandIns.adoptable`), or
         None."""
         candidate = self._stand_ins.adoptable(namespace, memo, key, effort, problem, self.budget, self.cache,
-                                              memo in self._sweeps)
+                                              self._decider.sweeping(memo))
         if candidate is None:
             return None
         with self._lock:
@@ -376,66 +289,6 @@ class Tuner:
             self._adoptions += 1
         return choice
 
-    def _timed_elsewhere(self, namespace: str, encoded: str, problem: ConvProblem, pool: list[Candidate],
-                         a: torch.Tensor, deterministic: bool) -> tuple[Candidate | Provisional, bool] | None:
-        """What runs if another rank times this key (:meth:`Ranks.claim`), else None (this process times it)."""
-        other = self._ranks.claim(namespace, encoded)
-        if other:
-            # Another rank has published its choice: it passed there, so its kernels may compile in the
-            # background (the reference runs meanwhile), as a cached choice's.
-            return adopt(other, pool, pool[0]), False
-        if other is not None:
-            # Another rank is timing this key; never wait on it. Until it publishes: what needs no compile where
-            # kernels compile in the background, else the pool's first. (The pool's first compiled in the
-            # call on a GPU: a compile per key that a DDP step waited for, 74 s against 7.8 s for a first
-            # MinkUNet step on one GPU, two H100s, 2026-11-25.)
-            return Provisional(meanwhile(problem) if compiling.in_background(a, deterministic) else pool[0]), True
-        return None
-
-    def _sweep(self, namespace: str, key: TuneKey, problem: ConvProblem, pool: list[Candidate],
-               missing: list[Candidate], effort: str, evidence: Evidence, a: torch.Tensor, b: torch.Tensor,
-               kernel_map: KernelMap, memo: tuple, limit: int | None = None) -> list[Candidate] | None:
-        """Time ``missing`` into ``evidence``: the cost model's top picks first (effort quick), the rest only
-        if none of them passed; at most ``limit`` candidates (None: all). Returns the candidates timed (none: none
-        was left), or None where a round's kernels compile in the background first (:meth:`ChoiceCompiles.defer`)."""
-        encoded, fresh = key.encode(), []
-        passed = lambda: evidence.any_passed(pool)  # noqa: E731
-        loaded = self._stand_ins.loaded(memo) is not None
-        for batch in prior.timing_rounds(self.cache, namespace, key, pool, missing, effort, passed):
-            if limit is not None and len(fresh) >= limit:
-                break
-            in_background = len(batch) <= SWEEP_IN_BACKGROUND or loaded
-            if in_background and self._compiles.defer(memo, namespace, problem, batch, a, kernel_map,
-                                                      key.deterministic):
-                return None
-            taken = batch if limit is None else batch[:limit - len(fresh)]
-            done = dict(evidence.timings)
-            evidence.timings.update(compile_and_sweep(
-                namespace, problem, taken, a, b, kernel_map, self.cache, self._reported,
-                store=lambda results, done=done: self._store(namespace, encoded, {**done, **results}),
-                # Compiled in the background already (defer said so): the hooks again in the call cost a street
-                # pass's first slices 11-25 ms (H200). Else a round's kernels compile together at its first slice.
-                compile=not (in_background and compiling.in_background(a, key.deterministic)),
-                compile_too=() if memo in self._sweeps else batch))
-            fresh += taken
-        return fresh
-
-    def _winner(self, namespace: str, key: TuneKey, problem: ConvProblem, pool: list[Candidate], effort: str,
-                evidence: Evidence, fresh: list[Candidate], a: torch.Tensor, b: torch.Tensor,
-                kernel_map: KernelMap) -> Candidate:
-        """The pick among the passing candidates (close finishers timed just now re-timed interleaved first);
-        the cost model's first under effort ``none``; else the reference."""
-        ok, timings = evidence.passing(pool), evidence.timings
-        if len(ok) > 1 and fresh:
-            close = [c for c in ok if cost(timings[c.id]) <= cost(timings[ok[0].id]) * (1 + CLOSE)]
-            if len(close) > 1 and any(c in fresh for c in close):
-                retime(namespace, problem, close, timings, a, b, kernel_map)
-        if ok:
-            return evidence.best(ok)
-        if effort == "none":
-            return prior.ranked(self.cache, namespace, key, pool)[0]
-        logger.warning("sparseconv: no candidate passed for %s %s; running %s", namespace, key.encode(), FALLBACK)
-        return Candidate(FALLBACK)
 
     def choices(self) -> list[tuple[str, str, str]]:
         """(namespace, key, candidate id) of every choice this process has settled on, sorted."""
@@ -443,25 +296,3 @@ class Tuner:
             found = {(memo[0].namespace, memo[0].encode(), candidate.id)
                      for memo, (candidate, _) in self._choices.items() if isinstance(memo[0], TuneKey)}
         return sorted(found)
-
-    def _store(self, namespace: str, encoded: str, timings: dict[str, dict]) -> None:
-        ok = {cid: t for cid, t in timings.items() if t.get("verdict") == "ok"}
-        entry = {
-            "timings": timings,
-            "winner": pick(ok, list(ok)) if ok else FALLBACK,
-            "evidence": sum(int(t.get("samples", 0)) for t in timings.values()),
-            "updated": time.time(),
-        }
-        self.cache.put(namespace, encoded, entry)
-
-
-SWEEP_IN_BACKGROUND = prior.QUICK_TOP + 5
-"""A sweep of at most this many candidates (the cost model's three picks and up to five it has no data
-on) compiles in the background; a larger one (no model yet: the whole pool) compiles in the call, unless
-the key has a loaded stand-in (:meth:`.stand_ins.StandIns.pick`) to run meanwhile instead of the reference.
-Measured on an H100 (street1 MinkUNet, fp16, no tunings at all): with every sweep in the background the
-first training step took 3.7 s but ~800 compile jobs kept the network on the reference (339 ms a step
-against 90) for over 40 s, while compiling in the call took 49 s and then ran tuned: fewer steps done in
-the first minutes. With the cost model's picks the jobs are few and the wait short. Its picks alone
-(three) left the model's picks plus the four small-channel tiles the shipped tunings predate (seven) to
-compile in the call: one pass of a cold process took 8.9 s (H200, 2026-11-28)."""

@@ -265,10 +265,10 @@ def test_a_sweep_waits_for_its_candidates_to_compile_in_the_background(tmp_path,
     import background_fakes
 
     from sparseconv.backends import compiling
-    from sparseconv.tune import tuner
+    from sparseconv.tune import decide
 
     monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)
-    monkeypatch.setattr(tuner, "SWEEP_IN_BACKGROUND", LEVELS)  # as if LEVELS were the cost model's picks
+    monkeypatch.setattr(decide, "SWEEP_IN_BACKGROUND", LEVELS)  # as if LEVELS were the cost model's picks
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
     monkeypatch.setenv(background_fakes.RELEASE, str(tmp_path / "release"))
     calls = Calls()
@@ -290,11 +290,11 @@ def test_a_sweep_of_more_than_the_cost_models_picks_compiles_in_the_call(tmp_pat
     import background_fakes
 
     from sparseconv.backends import compiling
-    from sparseconv.tune import tuner
+    from sparseconv.tune import decide
 
     monkeypatch.setattr(compiling, "on_gpu_eagerly", lambda a: True)
     monkeypatch.setenv(background_fakes.LOG, str(tmp_path / "compiled.log"))
-    monkeypatch.setattr(tuner, "SWEEP_IN_BACKGROUND", LEVELS - 1)  # no model: all LEVELS candidates are timed at once
+    monkeypatch.setattr(decide, "SWEEP_IN_BACKGROUND", LEVELS - 1)  # no model: all LEVELS candidates are timed at once
     with registered(_background_backend(Calls())):
         assert _conv()[FWD].startswith("fake_compiled[")  # timed and chosen in the first call
 

@@ -278,12 +278,13 @@ def test_a_recorded_decision_stands_under_quick_when_a_refitted_model_ranks_othe
 
 
 def test_over_the_timing_budget_a_new_key_runs_the_models_pick_untimed_and_is_timed_once_it_refills(monkeypatch, clock):
-    from sparseconv.tune import tuner as tuner_module
+    from sparseconv.tune import decide, tuner as tuner_module
     from sparseconv.tune.budget import TimingBudget
 
     pools = []
     pool_of = tuner_module.candidate_pool
-    monkeypatch.setattr(tuner_module, "candidate_pool", lambda *args: pools.append(1) or pool_of(*args))
+    for module in (tuner_module, decide):
+        monkeypatch.setattr(module, "candidate_pool", lambda *args: pools.append(1) or pool_of(*args))
     calls = Calls()
     x = make_input(MODES[1], 4, "cpu", dtype=torch.float32, n=300)
     weight = torch.randn(27, 4, 5)

@@ -134,7 +134,7 @@ def test_auto_picks_the_fastest_correct_candidate_and_results_stay_right():
 def test_close_candidates_are_decided_by_host_time():
     """Within CLOSE of the fastest median, the candidate that costs the host least wins (a small
     layer's calls can be host-bound); past CLOSE, or without host times, the fastest does."""
-    from sparseconv.tune.tuner import pick
+    from sparseconv.tune.evidence import pick
 
     timings = {"cupy": {"ms": 0.246, "host_ms": 0.19}, "triton": {"ms": 0.257, "host_ms": 0.08},
                "far": {"ms": 0.300, "host_ms": 0.01}, "old": {"ms": 0.250}}
@@ -147,7 +147,7 @@ def test_close_candidates_are_decided_by_host_time():
 def test_a_call_costs_its_host_time_where_that_is_longer():
     """A small layer: the GPU finishes one candidate's call sooner, but issuing it takes the host
     longer than the other candidate's whole call, so back-to-back calls of the other run faster."""
-    from sparseconv.tune.tuner import cost, pick
+    from sparseconv.tune.evidence import cost, pick
 
     timings = {"gpu_fast": {"ms": 0.030, "host_ms": 0.090}, "host_light": {"ms": 0.050, "host_ms": 0.040},
                "large": {"ms": 2.0, "host_ms": 0.1}}
