@@ -4,8 +4,8 @@ A :class:`~.cache.CoordinateCache` holds a batch's coordinate sets, tables and k
 holds the rest of what the batch's layers share: the map plan's record of the batch and the maps it built
 ahead, the builders the floor above passed in (:class:`Builders`), and per map a :class:`MapUse` (the
 tuner's prepared products on it, the plan's counts of its products, whether it serves one product alone). A
-:class:`~.kernel_map.KernelMap` is the map and its views; nothing here is stored on it but its device kernels and
-the plan's estimates of its counts.
+:class:`~.kernel_map.KernelMap` is the map and its views; nothing here is stored on it but its device kernels (the
+plan's estimates of its counts are views it offers the map: :data:`~.kernel_map.FILL_VIEW`).
 
 Nothing is registered at import: the floor above names its builders in one place
 (:mod:`sparseconv.ops.batch`) and passes them with each map request.

@@ -237,26 +237,20 @@ class KernelMap:
         if releasable:
             self.__dict__.setdefault("_releasable", []).append(key)
 
-    # Estimates of this map's counts: what an earlier batch's map under this map's key says before this one is
-    # counted. Set once by the map plan, when a layer first asks for the map, and read where the map is (backends'
-    # views, the tuner's key); how the batch uses the map is not here (:class:`sparseconv.coords.batch.MapUse`).
-    fill_hint: tuple[int, int] | None = None
-    """(pairs, table slots) of the last batch's map under this map's key, for a map built when a layer asked
-    for it (not ahead), read without a wait: the tuner's key takes how full this map is from it rather than
-    waiting for this map's counts (a host sync). Set by the map plan (:mod:`.plan`)."""
-
-    count_hint: torch.Tensor | None = None
-    """(K,) pairs per offset of an earlier batch's map under this map's key, on the device, for a lone map
-    (:attr:`sparseconv.coords.batch.MapUse.lone`) whose own are not counted: its row orders rank the offsets by
-    them (:meth:`ranking_counts`). Set by the map plan (:mod:`.plan`)."""
+    def fill(self) -> tuple[int, int]:
+        """(pairs, table slots) of this map: the map plan's estimate where it offered one (:data:`FILL_VIEW`: the last
+        batch's map under this map's key, for a map built when a layer asked for it), read without a wait, else this
+        map's own (its pair count: a host sync where the map does not say it)."""
+        return self.derived(FILL_VIEW, lambda m: (m.num_pairs, m.num_out * m.kernel_volume))
 
     def ranking_counts(self) -> torch.Tensor:
         """(K,) counts that rank the offsets of a row order (rarest first): this map's where counted already, else
-        :attr:`count_hint`, else this map's, counted now. Any ranking makes a correct order; a good one makes
-        tiles dense, and an earlier batch's map of the same layer ranks the same offsets rarest."""
+        the map plan's estimate where it offered one (:data:`RANKS_VIEW`: an earlier batch's map under this map's key,
+        for a lone map whose own are not counted), else this map's, counted now. Any ranking makes a correct order;
+        a good one makes tiles dense, and an earlier batch's map of the same layer ranks the same offsets rarest."""
         counts = self.__dict__.get("offset_counts")
         if counts is None:
-            counts = self.count_hint if self.count_hint is not None else self.offset_counts
+            counts = self.derived(RANKS_VIEW, lambda m: m.offset_counts)
         return counts
 
     def unviewed(self) -> KernelMap:
@@ -268,8 +262,12 @@ class KernelMap:
         copy.neighbors = self.neighbors
         copy._describe(self.num_in, self.num_out, self.kernel_size, self.identity_offset)
         copy.each_input_once, copy.each_output_once = self.each_input_once, self.each_output_once
-        copy.fill_hint, copy.count_hint = self.fill_hint, self.count_hint
         copy.kernels = self.kernels
+        offered = self.__dict__.get("_offered") or {}
+        for key in (FILL_VIEW, RANKS_VIEW):  # the plan's estimates: what this batch knew before the map was counted
+            view = self._derived.get(key, offered.get(key, _NONE))
+            if view is not _NONE:
+                copy.offer(key, view)
         for name in ("offset_counts", "pair_counts", "num_pairs"):
             if name in self.__dict__:
                 copy.__dict__[name] = self.__dict__[name]
@@ -305,6 +303,12 @@ class KernelMap:
 
 
 _NONE = object()
+
+FILL_VIEW, RANKS_VIEW = ("map_fill",), ("ranking_counts",)
+"""The keys of a map's estimates of its counts, which the map plan offers a new batch's map (:meth:`KernelMap.offer`)
+from an earlier batch's map under the same key before this one is counted (:meth:`.plan.Record.note`): its (pairs,
+table slots), which the tuner's key reads (:meth:`KernelMap.fill`), and its (K,) pairs per offset on the device,
+which a lone map's row orders rank its offsets by (:meth:`KernelMap.ranking_counts`)."""
 
 
 _owners: dict[int, weakref.ref[KernelMap]] = {}

@@ -22,7 +22,7 @@ from .. import config
 from . import prebuild
 from .batch import MapUse
 from .host_copy import HostCopy
-from .kernel_map import KernelMap, KernelMapKey, Triple
+from .kernel_map import FILL_VIEW, RANKS_VIEW, KernelMap, KernelMapKey, Triple
 from .prebuild import MapSpec, copy_pair_counts
 from .sets import CoordinateSets
 
@@ -69,7 +69,7 @@ class Record:
         self.counts: dict[KernelMapKey, Counted] = {}
         """The pair counts of the maps this batch built itself (not ahead), on their way to the host without a
         wait, with each map's table slots: the next batch's maps under the same keys take their fill from them
-        (:attr:`KernelMap.fill_hint`)."""
+        (:meth:`KernelMap.fill`)."""
         self.hints: dict[KernelMapKey, Counted] = {}
         """The last batch's :attr:`counts`."""
         self.keep_tables: set[Triple] = set()
@@ -113,15 +113,16 @@ class Record:
 
         A lone map (:attr:`~.batch.MapUse.lone`) is not counted at all in :data:`RECOUNT` batches but one: it
         carries the count of the last batch that counted, as its fill and as the ranks of its row orders' offsets
-        (:attr:`KernelMap.count_hint`). The count and its copy were a third of such a map's host time (street1,
+        (:data:`~.kernel_map.RANKS_VIEW`). The count and its copy were a third of such a map's host time (street1,
         H200), and nothing else of its one product reads them; a map that more products share keeps its own
         (a wgrad reads them on the host)."""
         hint = self.hints.get(key)
         if hint is not None:
-            kernel_map.fill_hint = hint.fill()  # copied during an earlier batch: no wait
+            fill = hint.fill()  # copied during an earlier batch: no wait
+            kernel_map.offer(FILL_VIEW, fill)
             if lone and hint.age < RECOUNT - 1:
-                kernel_map.count_hint = hint.device
-                self.counts[key] = Counted(hint.device, hint.slots, hint.age + 1, pairs=kernel_map.fill_hint[0])
+                kernel_map.offer(RANKS_VIEW, hint.device)
+                self.counts[key] = Counted(hint.device, hint.slots, hint.age + 1, pairs=fill[0])
                 return
         copy = copy_pair_counts([kernel_map])
         slots = kernel_map.num_out * kernel_map.kernel_volume

@@ -1,6 +1,9 @@
 """The warp-lang kernels of the coordinate hash tables, defined on first use (importing sparseconv
 must not start Warp): inserts (one set, one set with the input checks, the floors of a set at several strides, the
-voxels a generative conv makes) and neighbour queries (one map, several maps at once). :mod:`.hashing` launches them."""
+voxels a generative conv makes) and neighbour queries (one map, several maps at once). :mod:`.hashing` launches them.
+
+One file, over the house's ~400 lines: Warp builds and loads its kernels per Python module (one cache entry, one
+load a device), so the kernels of a second file would be a second build and load on every cold start."""
 
 from __future__ import annotations
 

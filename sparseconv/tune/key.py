@@ -121,14 +121,12 @@ def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap, determ
 def _density(kernel_map: KernelMap) -> int:
     """The map's :func:`density_bucket`, kept with the map: a new batch's map makes ~8 keys (its layers'
     products), and reading its pair count and bucketing it took ~5 µs of host time each (H200 host). A map
-    built when a layer asked for it takes it from the last batch's map under its key (:attr:`KernelMap.fill_hint`):
+    built when a layer asked for it takes its fill from the last batch's map under its key (:meth:`KernelMap.fill`):
     its counts are not waited for (a host sync: 30-90 µs of a lone submanifold conv's 400-800, H200)."""
-    density = kernel_map.__dict__.get("_tune_density")
-    if density is None:
-        hint = kernel_map.fill_hint
-        density = kernel_map.__dict__["_tune_density"] = density_bucket(
-            *(hint or (kernel_map.num_pairs, kernel_map.num_out * kernel_map.kernel_volume)))
-    return density
+    return kernel_map.derived(DENSITY_VIEW, lambda m: density_bucket(*m.fill()))
+
+
+DENSITY_VIEW = ("tune_density",)
 
 
 @functools.lru_cache(maxsize=4096)

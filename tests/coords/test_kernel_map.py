@@ -14,6 +14,7 @@ from sparseconv.coords import KernelMapKey, center_offset, offset_deltas
 from sparseconv.coords import hashing
 from sparseconv.coords.floors import floor_sets
 from sparseconv.coords.hashing import CoordHashTable
+from sparseconv.coords.kernel_map import FILL_VIEW
 from sparseconv.coords.keys import COORD_MAX, COORD_MIN, floor_masks, pack_coords
 
 
@@ -378,7 +379,7 @@ def test_an_unviewed_map_shares_the_table_and_counts_but_no_view(device):
     x = SparseTensor(coords, torch.zeros(len(coords), 1, device=device))
     for geometry in (((3, 3, 3), (1, 1, 1)), ((2, 2, 2), (2, 2, 2))):
         kernel_map = x.cache.kernel_map(KernelMapKey(x.coord_id, *geometry, (1, 1, 1), False, False))[0]
-        kernel_map.fill_hint = (5, 50)
+        kernel_map.offer(FILL_VIEW, (5, 50))  # the map plan's estimate (a new batch's map holds it)
         counts, pairs = kernel_map.pair_counts, kernel_map.pairs
         kernel_map.derived(("a view",), lambda m: 1)
         for source in (kernel_map, kernel_map.transposed()):
@@ -389,7 +390,7 @@ def test_an_unviewed_map_shares_the_table_and_counts_but_no_view(device):
                 source.num_in, source.num_out, source.identity_offset, source.each_input_once, source.each_output_once)
             assert (copy.transpose_of is None) == (source.transpose_of is None)
         unviewed = kernel_map.unviewed()
-        assert unviewed.fill_hint == (5, 50) and unviewed.neighbors is kernel_map.neighbors
+        assert unviewed.fill() == (5, 50) and unviewed.neighbors is kernel_map.neighbors
         assert [torch.equal(a, b) for a, b in zip(unviewed.pairs, pairs)] == [True] * 3  # built again, the same
 
 

@@ -16,6 +16,7 @@ from sparse_reference import random_coords, relative_error
 from sparseconv import SparseTensor
 from sparseconv.coords import KernelMapKey, floors, hashing, host_copy, offset_deltas, plan, prebuild, warp_launch
 from sparseconv.coords.hashing import CoordHashTable, MapQuery
+from sparseconv.coords.kernel_map import RANKS_VIEW
 from sparseconv.coords.keys import floor_masks, pack_coords
 
 # A small U-Net's requests: submanifold 3^3 on four levels, k2 s2 down between them, the k2 s2
@@ -353,13 +354,19 @@ def test_a_lone_layers_map_is_lone_once_the_last_batches_made_one_product_on_it_
     # The tuner's key takes a map's fill from the last batch's map under its key, where that one was built by its
     # layer too (counted and copied then: no wait); the first lone map's counterpart was built ahead by the plan.
     previous = maps[-2]
-    assert maps[-2].fill_hint is None and maps[-1].fill_hint == (sum(previous.pair_counts), previous.num_out * 27)
+    assert maps[-2].fill() == (sum(maps[-2].pair_counts), maps[-2].num_out * 27)  # its own
+    assert maps[-1].fill() == (sum(previous.pair_counts), previous.num_out * 27)
     assert [seen(seed, 2) for seed in (5, 6, 7)] == [True, False, False]
     assert [seen(seed) for seed in (8, 9, 10)] == [False, False, True]
     requests(batch(device, 11))  # a network again (its first map was taken for the lone layer's: no harm)
     x = batch(device, 12)
     requests(x)
     assert not any(x.cache.batch.use(kernel_map).lone for kernel_map in x.cache.kernel_maps())
+
+
+def offered(kernel_map, key):
+    """The view the map plan offered ``kernel_map`` under ``key``, taken by a reader or not (None: none)."""
+    return kernel_map._derived.get(key, (kernel_map.__dict__.get("_offered") or {}).get(key))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -388,9 +395,9 @@ def test_a_lone_map_is_counted_once_every_recount_batches_and_carries_that_count
         if x.cache.batch.use(kernel_map).lone:
             lone.append(kernel_map)
             if last is not None:  # the count this map carries: the last counted map's
-                assert kernel_map.fill_hint == (sum(last.pair_counts), last.num_out * 27)
+                assert kernel_map.fill() == (sum(last.pair_counts), last.num_out * 27)
                 if kernel_map is not counted[-1]:
-                    assert torch.equal(kernel_map.count_hint, last.offset_counts)
+                    assert torch.equal(offered(kernel_map, RANKS_VIEW), last.offset_counts)
         if counted and counted[-1] is kernel_map:
             last = kernel_map
     # The batch before the first lone one counted (a map not lone yet): then every RECOUNT-th batch.
@@ -416,7 +423,7 @@ def test_maps_built_by_their_layers_take_their_fill_from_the_last_batchs_maps_un
     assert len(hinted) == 2 and all(key.source > 0 or key.generative for key, _ in hinted)
     for key, kernel_map in hinted:
         old = before[key]
-        assert kernel_map.fill_hint == (sum(old.pair_counts), old.num_out * old.kernel_volume) != (
+        assert kernel_map.fill() == (sum(old.pair_counts), old.num_out * old.kernel_volume) != (
             sum(kernel_map.pair_counts), kernel_map.num_out * kernel_map.kernel_volume)
 
 

@@ -323,11 +323,13 @@ def test_fused_tile_views_equal_the_torch_reference(device, mode_name, forward, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_lone_maps_row_order_ranks_its_offsets_by_the_count_hint_and_the_product_stays_exact(device,
-                                                                                                poisoned_outputs):
+def test_a_lone_maps_row_order_ranks_its_offsets_by_the_plans_estimate_and_the_product_stays_exact(device,
+                                                                                                    poisoned_outputs):
     # A lone map's own pairs are not counted in most batches: its row order ranks the offsets by an earlier
-    # batch's counts (KernelMap.count_hint). Any ranking is a correct order: the product equals explicit_gemm's.
+    # batch's counts (the map plan offers them: kernel_map.RANKS_VIEW). Any ranking is a correct order: the product
+    # equals explicit_gemm's.
     from sparseconv.coords import KernelMap
+    from sparseconv.coords.kernel_map import RANKS_VIEW
 
     mode = CASES[0]
     x, built = _input_and_map(mode, 16, device, torch.float32, n=300 if device == "cpu" else 6000,
@@ -335,7 +337,7 @@ def test_a_lone_maps_row_order_ranks_its_offsets_by_the_count_hint_and_the_produ
     hinted, reference = (KernelMap(built.neighbors, built.num_in, built.kernel_size, built.identity_offset)
                          for _ in range(2))
     ranks = torch.randperm(built.kernel_volume, device=device)  # an order of the offsets unlike the map's counts
-    hinted.count_hint = ranks
+    hinted.offer(RANKS_VIEW, ranks)
     reference.__dict__["offset_counts"] = ranks  # the same ranking, as the map's own counts
     order = mask_views.sorted_rows(hinted, True, True)
     assert "offset_counts" not in hinted.__dict__, "the hinted map's pairs were counted"

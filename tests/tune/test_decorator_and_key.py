@@ -104,7 +104,15 @@ def _problem(**changes) -> ConvProblem:
 
 
 class _Map:
-    num_pairs, num_out, kernel_volume, fill_hint = 30_000, 5_000, 27, None
+    """A map's sizes and nothing else (no views: what the key reads is built each call)."""
+
+    num_pairs, num_out, kernel_volume = 30_000, 5_000, 27
+
+    def derived(self, key, build):
+        return build(self)
+
+    def fill(self):
+        return self.num_pairs, self.num_out * self.kernel_volume
 
 
 def test_key_holds_bucketed_sizes_channels_geometry_dtype_and_device():
@@ -146,10 +154,11 @@ def test_a_timing_sample_is_the_mean_of_its_back_to_back_calls():
 
 def test_a_lone_maps_key_takes_its_fill_from_the_last_batch_without_reading_its_counts():
     from sparseconv.coords import KernelMap
+    from sparseconv.coords.kernel_map import FILL_VIEW
 
     table = torch.tensor([[0, -1, 1], [1, 0, -1]], dtype=torch.int32)
     kernel_map = KernelMap(table, 2, (3, 1, 1), identity_offset=1)
-    kernel_map.fill_hint = (10, 1000)
+    kernel_map.offer(FILL_VIEW, (10, 1000))  # as the map plan offers the last batch's
     problem = _problem(num_in=2, num_out=2, kernel_size=(3, 1, 1), stride=(1, 1, 1), lone=True)
     key = make_key("AB_gather_scatter", problem, kernel_map)
     assert key.density == density_bucket(10, 1000) != density_bucket(4, 6)
