@@ -69,7 +69,7 @@ class BatchNorm(OnFeatures, nn.BatchNorm1d):
             if other.shape != feats.shape:
                 return None  # the modules' own sum names the mismatch
         out = norm_affine(feats, self.running_mean, self.running_var, self.weight, self.bias, self.eps, other, relu,
-                          _FUSED_LAUNCHES.setdefault(self, {}))
+                          _FUSED_LAUNCHES.setdefault(self, {}), inplace)
         if out is None:
             scale, shift = self._affine(feats.dtype)
             out = channel_affine(feats, scale, shift, other, relu, inplace)

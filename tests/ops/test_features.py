@@ -135,3 +135,24 @@ def test_a_kept_norm_launch_follows_its_statistics_and_what_replaces_them(device
     both(mean, replaced, feats=feats.float())
     assert len(kept) == 3, "a residual and another features dtype: their own slots"
     assert features.norm_affine(feats[:, :32], mean[:32], var[:32], weight[:32], bias[:32], 1e-3, kept=kept) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kept", [False, True])
+def test_in_place_the_fused_kernels_overwrite_the_features_with_what_they_return_otherwise(device, kept):
+    # A norm after a conv of the caller's pass (nn.norm.fused_norm_relu's promise): the kernels write into the
+    # conv's output instead of a new tensor, with the same values.
+    feats, scale, shift, other = _operands(300, 48, torch.float16, device)
+    original = feats.clone()
+    mean, var, weight, bias = _statistics(48, torch.float32, device, True)
+    launches = {} if kept else None
+    for residual in (None, other):
+        expected = features.norm_affine(feats, mean, var, weight, bias, 1e-3, residual, True, launches)
+        overwritten = feats.clone()
+        got = features.norm_affine(overwritten, mean, var, weight, bias, 1e-3, residual, True, launches, inplace=True)
+        assert got is not None and got.data_ptr() == overwritten.data_ptr() and torch.equal(got, expected)
+        expected = features.channel_affine(feats, scale, shift, residual, True)
+        overwritten = feats.clone()
+        got = features.channel_affine(overwritten, scale, shift, residual, True, inplace=True)
+        assert got.data_ptr() == overwritten.data_ptr() and torch.equal(got, expected)
+    assert torch.equal(feats, original), "the calls not in place leave their features as they were"
