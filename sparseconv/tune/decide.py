@@ -76,14 +76,15 @@ class Decider:
             if swept is None:
                 # Timed once compiled (a later call); the loaded stand-in runs meanwhile, else the reference. The
                 # claim stays ours: other ranks run the pool's first until the choice is published.
-                return Provisional(self.meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)), True
+                running = self.running_meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
+                return Provisional(running), True
             fresh = swept
             if sliced and fresh:
                 # The rest of the sweep (and the re-timing of close finishers) waits for later calls.
                 self.budget.spend(time.perf_counter() - started)
                 return self._sweep_goes_on(memo, problem, pool, evidence, fresh,
-                                           lambda: self.meanwhile(memo, namespace, problem, mode, effort, key,
-                                                                   kernel_map))
+                                           lambda: self.running_meanwhile(memo, namespace, problem, mode, effort,
+                                                                          key, kernel_map))
         fresh = [*self._sweeps.pop(memo, ()), *fresh]
         choice = self._winner(namespace, key, problem, pool, effort, evidence, fresh, a, b, kernel_map)
         timed_s = time.perf_counter() - started
@@ -106,7 +107,7 @@ class Decider:
     def _sweep_goes_on(self, memo: tuple, problem: ConvProblem, pool: list[Candidate], evidence: Evidence,
                        fresh: list[Candidate], otherwise: Callable[[], Candidate]) -> tuple[Provisional, bool]:
         """What a key whose sweep goes on in later calls runs meanwhile: the best candidate that passed so far (it
-        ran in this process if timed here), else ``otherwise()`` (:meth:`_meanwhile`)."""
+        ran in this process if timed here), else ``otherwise()`` (:meth:`running_meanwhile`)."""
         timed = self._sweeps[memo] = [*self._sweeps.get(memo, ()), *fresh]
         passing = evidence.passing(pool)
         if not passing:
@@ -115,8 +116,8 @@ class Decider:
         self._stand_ins.hold(memo, best, best in timed)
         return Provisional(best), best in timed
 
-    def meanwhile(self, memo: tuple, namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str,
-                   key: TuneKey | None, kernel_map: KernelMap) -> Candidate:
+    def running_meanwhile(self, memo: tuple, namespace: str, problem: ConvProblem, mode: AlgoMode, effort: str,
+                          key: TuneKey | None, kernel_map: KernelMap) -> Candidate:
         """What ``memo`` runs while its kernels compile or its sweep waits: its loaded stand-in, else a candidate of
         its pool whose kernels are compiled already (:meth:`.waiting.Waiting.compiled`), else what needs no compile
         (:func:`.pools.meanwhile`)."""

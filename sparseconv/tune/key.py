@@ -118,15 +118,16 @@ def make_key(namespace: str, problem: ConvProblem, kernel_map: KernelMap, determ
                 device_identity(problem.device), deterministic, problem.lone)
 
 
+DENSITY_VIEW = ("tune_density",)
+"""The map's view key of :func:`_density`."""
+
+
 def _density(kernel_map: KernelMap) -> int:
     """The map's :func:`density_bucket`, kept with the map: a new batch's map makes ~8 keys (its layers'
     products), and reading its pair count and bucketing it took ~5 µs of host time each (H200 host). A map
     built when a layer asked for it takes its fill from the last batch's map under its key (:meth:`KernelMap.fill`):
     its counts are not waited for (a host sync: 30-90 µs of a lone submanifold conv's 400-800, H200)."""
     return kernel_map.derived(DENSITY_VIEW, lambda m: density_bucket(*m.fill()))
-
-
-DENSITY_VIEW = ("tune_density",)
 
 
 @functools.lru_cache(maxsize=4096)

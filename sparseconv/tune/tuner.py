@@ -168,7 +168,8 @@ class Tuner:
             if self._compiles.pending(memo) and compiling.on_gpu_eagerly(a):
                 # Compiling: the key's loaded stand-in runs meanwhile (its sweep's candidates compile), else what
                 # needs no compile.
-                running = loaded or self._decider.meanwhile(memo, namespace, problem, mode, effort, key, kernel_map)
+                running = loaded or self._decider.running_meanwhile(memo, namespace, problem, mode, effort, key,
+                                                                    kernel_map)
                 return running, registry.get(running.backend), False
             if loaded is not None and not self.budget.allows():
                 # Loaded and waiting for the budget: no pool, no cache read (~0.4 ms a call, 76 calls of a step).
@@ -186,8 +187,8 @@ class Tuner:
                         candidate = candidate.candidate
                         if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a,
                                                                  kernel_map, deterministic):
-                            running = self._decider.meanwhile(memo, namespace, problem, mode, effort, key,
-                                                                     kernel_map)
+                            running = self._decider.running_meanwhile(memo, namespace, problem, mode, effort,
+                                                                      key, kernel_map)
                             return running, registry.get(running.backend), False
                         # Its kernels are loaded if it is the stand-in: the fast path above (not the reference a
                         # sweep runs while its candidates compile, nor another rank's provisional pick).
@@ -195,8 +196,8 @@ class Tuner:
                         return candidate, registry.get(candidate.backend), False
                     if not compiled and self._compiles.defer(memo, namespace, problem, [candidate], a, kernel_map,
                                                              deterministic):
-                        running = self._decider.meanwhile(memo, namespace, problem, mode, effort, key,
-                                                                     kernel_map)
+                        running = self._decider.running_meanwhile(memo, namespace, problem, mode, effort, key,
+                                                                  kernel_map)
                         return running, registry.get(running.backend), False
                     choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
                     self._waiting.settled(memo)
@@ -288,7 +289,6 @@ class Tuner:
             choice = self._choices[memo] = (candidate, registry.get(candidate.backend))
             self._adoptions += 1
         return choice
-
 
     def choices(self) -> list[tuple[str, str, str]]:
         """(namespace, key, candidate id) of every choice this process has settled on, sorted."""
