@@ -120,8 +120,8 @@ def run_demo(
         tuning_steps = min(steps, TRAIN_BATCHES)
         timed_before, effort = _tuned_count(), config.autotune_effort()
         if bar is not None:
-            bar.write(f"choosing kernels for this {_device_kind(dev)} in the first {tuning_steps} steps (timing only "
-                      "problems no tuning cache holds)...", file=sys.stderr)
+            bar.write(f"choosing kernels for this {_device_kind(dev)} as it trains (timing problems no tuning cache "
+                      "holds, in at most a tenth of the time)...", file=sys.stderr)
         for step in range(steps):
             x, labels = batches[step % len(batches)]
             _sync(dev)
@@ -136,9 +136,10 @@ def run_demo(
             if step + 1 == tuning_steps:
                 tuned = _tuned_count() - timed_before
                 tunings = _save_tunings() if tuned else None
+                untimed = _untimed_count()
                 if bar is not None:
-                    bar.write(_tuning_line(sum(step_seconds), tuned, tuning_steps, effort, tunings, _cache_path()),
-                              file=sys.stderr)
+                    bar.write(_tuning_line(sum(step_seconds), tuned, tuning_steps, effort, tunings, _cache_path(),
+                                           untimed), file=sys.stderr)
             if bar is not None:
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
                 bar.update()
@@ -178,6 +179,7 @@ def run_demo(
         "step_seconds": step_seconds,
         "tuning_steps": tuning_steps,
         "tuned_problems": tuned,
+        "untimed_problems": untimed,
         "tunings_saved": tunings,
         "classes": list(classes),
         "iou": iou.tolist(),
@@ -205,7 +207,8 @@ def format_report(report: dict) -> str:
         f"({_median(seconds):.3f} s per step; the first took {seconds[0]:.2f} s: Warp JIT, kernel maps, "
         "algorithm choice)",
         _tuning_line(sum(seconds[: report["tuning_steps"]]), report["tuned_problems"], report["tuning_steps"],
-                     report["tuner"]["effort"], report["tunings_saved"], report["tuner"]["cache"]),
+                     report["tuner"]["effort"], report["tunings_saved"], report["tuner"]["cache"],
+                     report.get("untimed_problems", 0)),
         "",
         "loss, mean over each tenth of the training:",
         *_loss_table(losses),
@@ -266,6 +269,13 @@ def _tuned_count() -> int:
     return len(get_tuner().cache.items())
 
 
+def _untimed_count() -> int:
+    """Products running a pick untimed now (:attr:`sparseconv.tune.Progress.untimed`): later calls time them."""
+    from ..tune import progress
+
+    return progress().untimed
+
+
 def _device_kind(device: torch.device) -> str:
     return "GPU" if device.type == "cuda" else "CPU"
 
@@ -290,9 +300,10 @@ def _cache_path() -> str:
 
 
 def _tuning_line(seconds: float, tuned: int, tuning_steps: int, effort: str, saved: str | None = None,
-                 path: str = "") -> str:
-    """What the tuning phase (the first ``tuning_steps`` steps) cost, how many problems it timed, and whether
-    their timings reached the cache file at ``path`` (``saved``: :func:`_save_tunings`)."""
+                 path: str = "", untimed: int = 0) -> str:
+    """What the tuning phase (the first ``tuning_steps`` steps) cost, how many problems it timed, whether
+    their timings reached the cache file at ``path`` (``saved``: :func:`_save_tunings`), and how many products
+    run a pick untimed at its end (``untimed``: timed by later steps, within the timing budget)."""
     head = f"tuning: the first {tuning_steps} step{'s' if tuning_steps > 1 else ''} took {seconds:.1f} s"
     if tuned:
         if saved == "unwritable":
@@ -300,7 +311,8 @@ def _tuning_line(seconds: float, tuned: int, tuning_steps: int, effort: str, sav
                     "them again (SPARSECONV_CACHE_DIR sets where the cache goes)")
         if saved == "busy":
             return f"{head}; {tuned} problems timed; the cache {path} is locked by another process: written at exit"
-        return f"{head}; {tuned} problems timed once, cached in {path}"
+        later = f"; {untimed} more run a pick untimed until later steps time them" if untimed else ""
+        return f"{head}; {tuned} problems timed so far, cached in {path}{later}"
     if effort == "none":
         return f"{head}; nothing timed (SPARSECONV_AUTOTUNE_EFFORT=none: untimed choices)"
     return f"{head}; nothing timed: every choice came from the tuning cache or the shipped tunings"
