@@ -16,6 +16,15 @@ running the model's first pick, the best of its first three, and one fixed candi
 fastest on average over the training keys) instead of the measured winner.
 
     python scripts/bench_tuner.py --prior ~/.cache/sparseconv/autotune.msgpack
+
+With --converge STEPS it instead trains the demo's network (MinkUNet14 on the demo's 8 batches, as
+``python -m sparseconv demo`` does) for STEPS steps under the default effort quick (its timing budget: a tenth of
+the wall time), then tunes the same process under effort full (every key timed whole), and times steps of the two,
+and of naive torch (every product pinned to the im2col matmul), interleaved in one process (each effort keeps its own
+choices): how close the tuning a user gets for free comes to tuning ahead, after STEPS steps. No timing under quick
+after its STEPS steps (its budget is frozen: what it settled runs, the rest its picks untimed).
+
+    python scripts/bench_tuner.py --device cpu --converge 400 --rounds 48
 """
 
 from __future__ import annotations
@@ -100,6 +109,75 @@ def prior_table(path: str, folds: int, seed: int) -> str:
     return "\n".join(lines) if table else lines[0] + "\nno key with two or more timed candidates"
 
 
+ARMS = {"quick": {"SPARSECONV_AUTOTUNE_EFFORT": "quick"}, "full": {"SPARSECONV_AUTOTUNE_EFFORT": "full"},
+        "naive": {f"SPARSECONV_{p}_ALGO_MODE": "naive_im2col" for p in ("FWD", "DGRAD", "WGRAD")}}
+"""--converge's arms: the environment each step runs under (each effort and pin keeps its own choices)."""
+
+
+def converge(device: torch.device, steps: int, rounds: int) -> None:
+    """--converge: see the module docstring."""
+    # The demo's data and network (internal on purpose: the same batches a user's first run trains on).
+    from sparseconv import tune
+    from sparseconv.cli.demo import DEFAULT_WIDTH, SCENES, TRAIN_BATCHES, _scene_batch
+    from sparseconv.data import CLASS_NAMES
+    from sparseconv.models import MinkUNet14
+    from sparseconv.tune.budget import TimingBudget
+
+    torch.manual_seed(0)
+    spec = SCENES["street"]
+    batches = [_scene_batch("street", spec, 2, 2 * i, 1.0, device) for i in range(TRAIN_BATCHES)]
+    model = MinkUNet14(batches[0][0].num_channels, len(CLASS_NAMES["street"]), width=DEFAULT_WIDTH / 32,
+                       stem_kernel_size=3).to(device)
+    optimiser, loss_fn = torch.optim.AdamW(model.parameters(), lr=1e-3), nn.CrossEntropyLoss()
+
+    def step(i: int, arm: str | None = None) -> float:
+        for name, value in ARMS.get(arm, {}).items():
+            os.environ[name] = value
+        x, labels = batches[i % len(batches)]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = loss_fn(model(x).feats, labels)
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+        loss.item()
+        seconds = time.perf_counter() - start
+        for name in ARMS.get(arm, {}):
+            del os.environ[name]
+        return seconds
+
+    start = time.perf_counter()
+    for i in range(steps):
+        step(i, "quick")
+    quick_s, quick = time.perf_counter() - start, tune.progress()
+    tune.get_tuner().budget = TimingBudget(share=0.0, burst=0.0)  # quick stops timing: what it has runs from now
+    start = time.perf_counter()
+    for i in range(len(batches)):
+        step(i, "full")
+        step(i, "naive")
+    tune.wait_for_compiles()
+    full_s = time.perf_counter() - start
+    samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for r in range(rounds):
+        for arm in (list(ARMS) if r % 2 == 0 else list(ARMS)[::-1]):
+            samples[arm].append(step(r, arm))
+    ms = {arm: 1e3 * statistics.median(values) for arm, values in samples.items()}
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"device: {where}; the demo's MinkUNet14 on its {len(batches)} street batches "
+          f"({sum(len(x) for x, _ in batches) // len(batches)} voxels a batch on average); median of {rounds} training "
+          f"steps each, interleaved (ms)")
+    header = ["", f"ours quick after {steps} steps", "ours full", "spconv", "spconv-triton", "naive torch"]
+    row = ["step", f"{ms['quick']:.1f}", f"{ms['full']:.1f}", "n/a", "n/a", f"{ms['naive']:.1f}"]
+    widths = [max(len(h), len(c)) for h, c in zip(header, row)]
+    for line in (header, row):
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    ratios = [q / f for q, f in zip(samples["quick"], samples["full"])]
+    print(f"quick / full: {statistics.median(ratios):.3f} (median of per-round ratios); quick's {steps} steps took "
+          f"{quick_s:.1f} s, {quick.timed_s:.1f} s of it timing: {quick.settled} products settled ({quick.adopted} "
+          f"adopted), {quick.untimed} running a pick untimed; full's tuning {full_s:.1f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prior", metavar="CACHE_FILE", help="score the cost model on this tuning cache file instead")
@@ -110,6 +188,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.5)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--converge", type=int, metavar="STEPS", help="quick after STEPS demo steps against full")
+    parser.add_argument("--rounds", type=int, default=48, help="with --converge: interleaved steps of each")
     args = parser.parse_args()
     if args.prior:
         print(prior_table(args.prior, args.folds, args.seed))
@@ -118,6 +198,9 @@ def main() -> None:
     os.environ.setdefault("SPARSECONV_CACHE_DIR", tempfile.mkdtemp(prefix="sparseconv-bench-"))
     # Pin-only: an empty pool keeps the baseline out of the tuned column's candidates.
     register(Backend("naive_im2col", frozenset(NAMESPACES), naive_run, pool=lambda problem, level: []))
+    if args.converge:
+        converge(device, args.converge, args.rounds)
+        return
 
     coords, feats = make_scene(args.scene, batch_size=1, scale=args.scale)
     x = SparseTensor(coords.to(device), feats.to(device))
