@@ -118,7 +118,7 @@ def converge(device: torch.device, steps: int, rounds: int) -> None:
     """--converge: see the module docstring."""
     # The demo's data and network (internal on purpose: the same batches a user's first run trains on).
     from sparseconv import tune
-    from sparseconv.cli.demo import DEFAULT_WIDTH, SCENES, TRAIN_BATCHES, _scene_batch
+    from sparseconv.cli.demo import DEFAULT_WIDTH, SCENES, TRAIN_BATCHES, _scene_batch, train_step
     from sparseconv.data import CLASS_NAMES
     from sparseconv.models import MinkUNet14
     from sparseconv.tune.budget import TimingBudget
@@ -137,11 +137,7 @@ def converge(device: torch.device, steps: int, rounds: int) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        loss = loss_fn(model(x).feats, labels)
-        optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        optimiser.step()
-        loss.item()
+        train_step(model, loss_fn, optimiser, x, labels).item()
         seconds = time.perf_counter() - start
         for name in ARMS.get(arm, {}):
             del os.environ[name]

@@ -126,10 +126,7 @@ def run_demo(
             x, labels = batches[step % len(batches)]
             _sync(dev)
             start = time.perf_counter()
-            loss = loss_fn(model(x).feats, labels)
-            optimiser.zero_grad(set_to_none=True)
-            loss.backward()
-            optimiser.step()
+            loss = train_step(model, loss_fn, optimiser, x, labels)
             schedule.step()
             losses.append(loss.item())  # the host sync also makes the step time honest
             step_seconds.append(time.perf_counter() - start)
@@ -191,6 +188,16 @@ def run_demo(
         "runs_on": _runs_on(dev),
         "wall_seconds": time.perf_counter() - wall_start,
     }
+
+
+def train_step(model: nn.Module, loss_fn: nn.Module, optimiser: torch.optim.Optimizer, x: SparseTensor,
+               labels: torch.Tensor) -> torch.Tensor:
+    """One training step of the demo's network on ``x``: forward, loss, backward, optimiser step; returns the loss."""
+    loss = loss_fn(model(x).feats, labels)
+    optimiser.zero_grad(set_to_none=True)
+    loss.backward()
+    optimiser.step()
+    return loss
 
 
 def format_report(report: dict) -> str:
