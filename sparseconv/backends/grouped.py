@@ -165,12 +165,13 @@ def heuristic(problem: ConvProblem) -> float:
     # call overhead dominates, and lost 1.5-3x at 10k-60k rows, where bmm's padded copies cost more. Above
     # explicit_gemm (0) on larger maps of up to 16 channels or 8 offsets, below the CSR scatter (0.5): there the
     # demo's weight gradients ran grouped 1.3-3x faster (2 cores, 2026-12-08, up to 32k rows; the forward and
-    # dgrad keys went to the CSR scatter).
+    # dgrad keys went to the CSR scatter). Not measured on a GPU: -1 there, as before.
     if problem.kernel_volume < 8:
         return -1.0
     if max(problem.num_in, problem.num_out) <= 4096:
         return 1.0
-    return 0.25 if max(problem.in_channels, problem.out_channels) <= 16 or problem.kernel_volume <= 8 else -1.0
+    small = max(problem.in_channels, problem.out_channels) <= 16 or problem.kernel_volume <= 8
+    return 0.25 if small and problem.device.type == "cpu" else -1.0
 
 
 def deterministic(namespace: str, params: Mapping) -> bool:
