@@ -104,8 +104,8 @@ def test_the_tuning_phase_is_shown_with_its_time_and_the_problems_it_timed(monke
     monkeypatch.setattr(timing, "plan_for", lambda device: timing.TimingPlan(0, 1, False, min_repeats=1))
     report = run_demo("room", 1, 0.02, "cpu", 2, 2, progress=True)
     err = capsys.readouterr().err
-    assert ("choosing kernels for this CPU as it trains (timing problems no tuning cache holds, in at most a tenth "
-            "of the time)") in err
+    assert ("choosing kernels for this CPU as it trains (timing problems no tuning cache holds; after the first steps, "
+            "in at most a tenth of the time)") in err
     assert report["tuning_steps"] == 2 and report["tuned_problems"] > 0 and report["tunings_saved"] == "saved"
     untimed = report["untimed_problems"]
     line = (f"tuning: the first 2 steps took {sum(report['step_seconds']):.1f} s; {report['tuned_problems']} problems "

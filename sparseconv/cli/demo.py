@@ -121,7 +121,7 @@ def run_demo(
         timed_before, effort = _tuned_count(), config.autotune_effort()
         if bar is not None:
             bar.write(f"choosing kernels for this {_device_kind(dev)} as it trains (timing problems no tuning cache "
-                      "holds, in at most a tenth of the time)...", file=sys.stderr)
+                      "holds; after the first steps, in at most a tenth of the time)...", file=sys.stderr)
         for step in range(steps):
             x, labels = batches[step % len(batches)]
             _sync(dev)
