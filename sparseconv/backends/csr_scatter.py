@@ -87,14 +87,14 @@ def _supports(problem: ConvProblem) -> str | None:
 
 def _heuristic(problem: ConvProblem) -> float:
     """Ahead of explicit_gemm (0) where no layer side exceeds 16 channels on a large map, or 64 on a map of up to
-    49152 rows, behind explicit_gemm_grouped (1) on a small one: the untimed order, which sets what a CPU layer runs until its sweep is done (one candidate a
-    call, within the timing budget: minutes of a CPU run). A street1 map (92k rows, 2 threads, 2026-12-02): 16
-    channels subm3 forward 10.3 ms against 19.3, dgrad 8.8 against 16.7, k2 s2 2.9 against 4.9; at 32 channels
-    subm3 41.1 against 29.9 (k2 s2: 6.2 against 7.9)."""
+    49152 rows, behind explicit_gemm_grouped (1) on a small one: the untimed order, which sets what a CPU layer runs
+    until its sweep is done (one candidate a call, within the timing budget: minutes of a CPU run). A street1 map
+    (92k rows, 2 threads, 2026-12-02): 16 channels subm3 forward 10.3 ms against 19.3, dgrad 8.8 against 16.7, k2 s2
+    2.9 against 4.9; at 32 channels subm3 41.1 against 29.9 (k2 s2: 6.2 against 7.9)."""
     rows, channels = max(problem.num_in, problem.num_out), max(problem.in_channels, problem.out_channels)
     # The demo's network tuned whole (2 cores, 2026-12-08, 1k-32k rows, 8-96 channels): ahead of explicit_gemm on
     # every forward and dgrad key but one, 1.1-2.3x at up to 48 channels (bench_tuner.py --converge's full tuning).
-    return 0.5 if channels <= 16 and rows > 4096 or channels <= 64 and rows <= 49152 else 0.0
+    return 0.5 if (channels <= 16 and rows > 4096) or (channels <= 64 and rows <= 49152) else 0.0
 
 
 EXPLICIT_GEMM_CSR = register(Backend(name="explicit_gemm_csr", ops=frozenset(SCATTERING), run=in_product_dtype(run),
