@@ -34,6 +34,7 @@ import os
 import statistics
 import tempfile
 import time
+from unittest import mock
 
 import torch
 from torch import nn
@@ -130,18 +131,14 @@ def converge(device: torch.device, steps: int, rounds: int) -> None:
                        stem_kernel_size=3).to(device)
     optimiser, loss_fn = torch.optim.AdamW(model.parameters(), lr=1e-3), nn.CrossEntropyLoss()
 
-    def step(i: int, arm: str | None = None) -> float:
-        for name, value in ARMS.get(arm, {}).items():
-            os.environ[name] = value
+    def step(i: int, arm: str) -> float:
         x, labels = batches[i % len(batches)]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        train_step(model, loss_fn, optimiser, x, labels).item()
-        seconds = time.perf_counter() - start
-        for name in ARMS.get(arm, {}):
-            del os.environ[name]
-        return seconds
+        with mock.patch.dict(os.environ, ARMS[arm]):  # restores what the environment held before
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            train_step(model, loss_fn, optimiser, x, labels).item()
+            return time.perf_counter() - start
 
     start = time.perf_counter()
     for i in range(steps):
